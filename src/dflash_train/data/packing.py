@@ -1,0 +1,151 @@
+"""Pack tokenized documents into rows of exactly `token_budget` tokens, and turn rows into training batches.
+
+A row carries, per token: input id, position (restarting at 0 for each document), document id (0, 1, ... within
+the row; -1 for padding) and the loss mask. Positions and document ids are what keep packing exact: the target and
+the drafter never attend across documents, so a document's features are the same packed or alone.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, fields
+from typing import Iterable, Sequence
+
+import torch
+
+from ..training.objective import sample_anchors
+
+
+@dataclass
+class Sample:
+    """One tokenized conversation: ids and the assistant-only loss mask, same length."""
+    input_ids: list[int]
+    loss_mask: list[bool]
+
+    def __post_init__(self):
+        if len(self.input_ids) != len(self.loss_mask):
+            raise ValueError("input_ids and loss_mask must have the same length")
+
+
+@dataclass
+class PackedRow:
+    input_ids: torch.Tensor     # [T] long
+    position_ids: torch.Tensor  # [T] long, restart per document
+    doc_ids: torch.Tensor       # [T] long, -1 for padding
+    loss_mask: torch.Tensor     # [T] bool
+
+
+@dataclass
+class TrainBatch:
+    """Everything one drafter step needs except the target features. All shapes fixed: T and A."""
+    input_ids: torch.Tensor     # [T]
+    position_ids: torch.Tensor  # [T]
+    doc_ids: torch.Tensor       # [T]
+    loss_mask: torch.Tensor     # [T] bool
+    anchors: torch.Tensor       # [A] long (sorted)
+    anchor_valid: torch.Tensor  # [A] bool
+    index: int = -1             # global batch index within the run (data position), for logs and resume
+    epoch: int = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def to(self, device, non_blocking: bool = False) -> "TrainBatch":
+        moved = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors().items()}
+        return TrainBatch(**moved, index=self.index, epoch=self.epoch)
+
+    def pin_memory(self) -> "TrainBatch":
+        return TrainBatch(**{k: v.pin_memory() for k, v in self.tensors().items()}, index=self.index, epoch=self.epoch)
+
+
+def pack_samples(samples: Sequence[Sample], token_budget: int, pad_id: int = 0) -> list[PackedRow]:
+    """Greedy in-order packing: documents fill a row until the next one does not fit, then a new row starts.
+    Documents longer than the budget are truncated to it. The last, partial row is padded."""
+    rows: list[PackedRow] = []
+    cur: list[Sample] = []
+    used = 0
+    for s in samples:
+        n = min(len(s.input_ids), token_budget)
+        if n == 0:
+            continue
+        if used + n > token_budget:
+            rows.append(_make_row(cur, token_budget, pad_id))
+            cur, used = [], 0
+        cur.append(Sample(s.input_ids[:n], s.loss_mask[:n]))
+        used += n
+    if cur:
+        rows.append(_make_row(cur, token_budget, pad_id))
+    return rows
+
+
+def _make_row(docs: list[Sample], token_budget: int, pad_id: int) -> PackedRow:
+    ids, pos, doc, mask = [], [], [], []
+    for d, s in enumerate(docs):
+        ids += s.input_ids
+        pos += range(len(s.input_ids))
+        doc += [d] * len(s.input_ids)
+        mask += s.loss_mask
+    pad = token_budget - len(ids)
+    ids += [pad_id] * pad
+    pos += range(pad)
+    doc += [-1] * pad
+    mask += [False] * pad
+    return PackedRow(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long),
+                     torch.tensor(doc, dtype=torch.long), torch.tensor(mask, dtype=torch.bool))
+
+
+def epoch_rows(samples: Sequence[Sample], token_budget: int, epoch: int, seed: int, pad_id: int = 0) -> list[PackedRow]:
+    """The rows of one epoch: documents shuffled with (seed, epoch), then packed. Deterministic."""
+    order = list(range(len(samples)))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return pack_samples([samples[i] for i in order], token_budget, pad_id)
+
+
+def make_batch(row: PackedRow, num_anchors: int, seed: int, index: int, epoch: int = 0) -> TrainBatch:
+    """Attach anchors sampled with a generator seeded by (seed, index): the same batch index always gets the same
+    anchors, whichever thread builds it and whether or not the run was resumed."""
+    g = torch.Generator().manual_seed(hash((seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+    anchors, valid = sample_anchors(row.loss_mask, row.doc_ids, num_anchors, g)
+    return TrainBatch(row.input_ids, row.position_ids, row.doc_ids, row.loss_mask, anchors, valid, index, epoch)
+
+
+class BatchSchedule:
+    """The run's whole batch sequence: epoch e's rows in order, batch index i = running count.
+
+    Iterating from `start` skips straight to batch `start` (resume). `max_batches` bounds the total."""
+
+    def __init__(self, samples: Sequence[Sample], token_budget: int, num_anchors: int, seed: int,
+                 max_batches: int, pad_id: int = 0):
+        if not samples:
+            raise ValueError("no training samples")
+        self.samples, self.token_budget, self.num_anchors = samples, token_budget, num_anchors
+        self.seed, self.max_batches, self.pad_id = seed, max_batches, pad_id
+        self._rows_per_epoch: int | None = None
+
+    @property
+    def rows_per_epoch(self) -> int:
+        if self._rows_per_epoch is None:
+            self._rows_per_epoch = len(epoch_rows(self.samples, self.token_budget, 0, self.seed, self.pad_id))
+        return self._rows_per_epoch
+
+    def __len__(self) -> int:
+        return self.max_batches
+
+    def iter_from(self, start: int = 0) -> Iterable[TrainBatch]:
+        index, epoch = 0, 0
+        while index < self.max_batches:
+            rows = epoch_rows(self.samples, self.token_budget, epoch, self.seed, self.pad_id)
+            if index + len(rows) <= start:  # whole epoch before the resume point: skip without building batches
+                index += len(rows)
+                epoch += 1
+                continue
+            for row in rows:
+                if index >= self.max_batches:
+                    return
+                if index >= start:
+                    yield make_batch(row, self.num_anchors, self.seed, index, epoch)
+                index += 1
+            epoch += 1
+
+    def __iter__(self):
+        return iter(self.iter_from(0))

@@ -1,0 +1,59 @@
+"""Size a drafter for a target and pick its mask token (the documented rule)."""
+
+from __future__ import annotations
+
+from ..config import ConfigError, ModelConfig
+from .drafter import DFlashDrafter, build_drafter_config
+from .target import TargetInfo, default_layer_ids
+
+_RESERVED_HINTS = ("mask", "reserved", "unused")
+
+
+def choose_mask_token_id(tokenizer, configured: int | None, vocab_size: int) -> int:
+    """The mask token, by rule:
+    1. the tokenizer's own mask token, if it has one;
+    2. else `model.mask_token_id` from the config;
+    3. else a special token whose text says mask / reserved / unused (the lowest such id);
+    4. else an id the tokenizer never produces: vocab_size - 1 when the embedding table has padding rows;
+    5. else the highest special token id that is not bos / eos / pad / unk or the chat template's markers.
+    """
+    if tokenizer is not None and getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    if configured is not None:
+        if not 0 <= configured < vocab_size:
+            raise ConfigError(f"model.mask_token_id {configured} is outside the target vocabulary 0..{vocab_size - 1}.")
+        return configured
+    if tokenizer is None:
+        return vocab_size - 1
+    specials = {int(i): str(t) for t, i in zip(tokenizer.all_special_tokens, tokenizer.all_special_ids)}
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    for i, tok in added.items():
+        specials.setdefault(int(i), str(getattr(tok, "content", tok)))
+    hinted = sorted(i for i, t in specials.items() if any(h in t.lower() for h in _RESERVED_HINTS) and i < vocab_size)
+    if hinted:
+        return hinted[0]
+    if len(tokenizer) < vocab_size:
+        return vocab_size - 1
+    used = {getattr(tokenizer, a, None) for a in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")}
+    template = getattr(tokenizer, "chat_template", None) or ""
+    free = sorted(i for i, t in specials.items() if i not in used and t not in template and i < vocab_size)
+    if free:
+        return free[-1]
+    raise ConfigError("Could not find an unused token to use as the mask token; set model.mask_token_id.")
+
+
+def resolve_layer_ids(cfg: ModelConfig, info: TargetInfo) -> list[int]:
+    ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else default_layer_ids(info.num_layers,
+                                                                                     cfg.num_feature_layers)
+    bad = [i for i in ids if not 0 <= i < info.num_layers]
+    if bad:
+        raise ConfigError(f"model.target_layer_ids {ids} must lie within 0..{info.num_layers - 1} for this "
+                          f"{info.num_layers}-layer target.")
+    return ids
+
+
+def build_drafter(cfg: ModelConfig, info: TargetInfo, tokenizer=None) -> DFlashDrafter:
+    mask_id = choose_mask_token_id(tokenizer, cfg.mask_token_id, info.vocab_size)
+    dcfg = build_drafter_config(info, resolve_layer_ids(cfg, info), mask_id, cfg.block_size,
+                                cfg.num_draft_layers, cfg.intermediate_size)
+    return DFlashDrafter(dcfg)

@@ -1,0 +1,87 @@
+"""One drafter training step (forward + backward), optionally compiled; the optimizer step lives with the caller.
+
+CUDAGraph Trees keep thread-local state that plain `threading.Thread` workers never get, so importing this module
+turns them off (before any compile): `reduce-overhead` then falls back to per-function CUDA graphs, which work in
+any thread. Those graphs remember the parameter addresses of the first module they were captured with, so every
+replica gets a step function with its own code object (`_fresh_function`), i.e. its own compile cache and graph.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch._inductor.config as inductor_config
+
+from ..config import TrainConfig
+from ..models.drafter import DFlashDrafter
+from .objective import default_gamma, dflash_loss
+
+inductor_config.triton.cudagraph_trees = False
+
+METRIC_KEYS = ("loss", "acc", "cond_acc", "tau_est", "num_labels")
+
+
+def resolve_compile_mode(mode: str, device: torch.device) -> str:
+    if mode == "auto":
+        return "reduce-overhead" if device.type == "cuda" else "eager"
+    return mode
+
+
+def resolve_attention(attention: str, device: torch.device) -> str:
+    if attention == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return attention
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+
+
+def _fresh_function(fn, tag: str):
+    """A copy of `fn` with its own code object: torch.compile caches (and CUDA-graphs) per code object."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
+def _loss_fn(drafter, embed_w, head_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors, anchor_valid,
+             block_size, gamma, attention, loss_chunk, autocast_dtype):
+    device_type = feats.device.type
+    with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
+        return dflash_loss(drafter, embed_w, head_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors,
+                           anchor_valid, block_size=block_size, gamma=gamma, attention=attention,
+                           loss_chunk=loss_chunk)
+
+
+class DrafterStep:
+    """Forward + backward of one packed row on one replica. Gradients land in drafter.parameters().grad."""
+
+    def __init__(self, drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, cfg: TrainConfig,
+                 device: torch.device, tag: str = "0"):
+        self.drafter, self.device = drafter, device
+        # Frozen target tensors, in the compute dtype, on this replica's device; never trained.
+        self.dtype = resolve_dtype(cfg.dtype, device)
+        self.embed_w = embed_w.detach().to(device, self.dtype)
+        self.head_w = head_w.detach().to(device, self.dtype)
+        self.block_size = drafter.config.block_size
+        self.gamma = cfg.gamma or default_gamma(self.block_size)
+        self.attention = resolve_attention(cfg.attention, device)
+        self.loss_chunk = cfg.loss_chunk
+        self.compile_mode = resolve_compile_mode(cfg.compile, device)
+        fn = _fresh_function(_loss_fn, tag)
+        if self.compile_mode == "eager":
+            self._loss = fn
+        else:
+            self._loss = torch.compile(fn, mode=None if self.compile_mode == "default" else self.compile_mode,
+                                       dynamic=False, fullgraph=False)
+
+    def __call__(self, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
+        """batch: TrainBatch on self.device; feats [T, k*H]. Returns detached metric tensors (no host sync)."""
+        out = self._loss(self.drafter, self.embed_w, self.head_w, feats.to(self.dtype), batch.input_ids,
+                         batch.position_ids, batch.doc_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
+                         self.block_size, self.gamma, self.attention, self.loss_chunk, self.dtype)
+        out["loss"].backward()
+        # CUDA-graph outputs live in static buffers overwritten by the next replay: keep private copies.
+        return {k: out[k].detach().clone() for k in METRIC_KEYS}
