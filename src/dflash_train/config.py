@@ -6,6 +6,8 @@ values of the wrong type are rejected with one sentence that names the key: a ty
 
 from __future__ import annotations
 
+from .errors import UserError
+
 import dataclasses
 import types
 import typing
@@ -16,7 +18,7 @@ from typing import Any
 import yaml
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration the user wrote is invalid; the message names the key and the fix."""
 
 
@@ -189,6 +191,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads '1e-2' (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key} must be a number, got {value!r}.")
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

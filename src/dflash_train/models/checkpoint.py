@@ -8,6 +8,8 @@ weights by default), so a reload is bit-exact; `dtype=torch.bfloat16` writes a s
 
 from __future__ import annotations
 
+from ..errors import UserError
+
 import json
 from pathlib import Path
 
@@ -21,7 +23,7 @@ WEIGHTS_NAME = "model.safetensors"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A drafter directory is missing, incomplete or inconsistent; the message names the file."""
 
 

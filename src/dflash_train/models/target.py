@@ -7,6 +7,8 @@ runs there), and packed documents never attend to each other: the row gets an ex
 
 from __future__ import annotations
 
+from ..errors import UserError
+
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from torch import nn
 EMBEDDED_TARGET_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class TargetError(ValueError):
+class TargetError(UserError):
     """The target model the user pointed at cannot be loaded or tapped; the message says why and what to do."""
 
 

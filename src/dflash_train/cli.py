@@ -1,0 +1,121 @@
+"""`dflash-train` subcommands: parse arguments, call the library, nothing else.
+
+Errors a user can cause (UserError) print one line and exit 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .errors import UserError
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format="%(asctime)s %(message)s",
+                        datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    for noisy in ("transformers", "torch._dynamo", "torch._inductor"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def cmd_train(args) -> int:
+    from .config import describe_config, load_config
+
+    if args.help_config:
+        print(describe_config())
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    if args.single:
+        from .training.trainer import train_single_device
+        result = train_single_device(cfg)
+    else:
+        from .pipeline.coordinator import train_pipeline
+        result = train_pipeline(cfg)
+    print(f"drafter written to {result.drafter_dir}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .inference.benchmark import run_eval_cli
+    return run_eval_cli(args)
+
+
+def cmd_regenerate(args) -> int:
+    from .data.regenerate import run_regenerate_cli
+    return run_regenerate_cli(args)
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo_cli
+    return run_demo_cli(args)
+
+
+def cmd_doctor(args) -> int:
+    from .doctor import run_doctor_cli
+    return run_doctor_cli(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-train", description="Train DFlash speculative-decoding drafters.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a drafter (threaded pipeline; --single for the reference loop)")
+    t.add_argument("--config", help="YAML file or bundled recipe name (tiny_cpu, smollm2_demo, ...)")
+    t.add_argument("--single", action="store_true", help="single-device, single-thread reference trainer")
+    t.add_argument("--help-config", action="store_true", help="list every config key with its default and help")
+    t.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.lr=3e-4")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="speculative decoding with a drafter: acceptance length, speedup, lossless")
+    e.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors)")
+    e.add_argument("--target", default=None, help="target directory or .gguf (default: embedded SmolLM2)")
+    e.add_argument("--prompts", default=None, help="JSONL of chat turns or plain prompts (default: held-out ShareGPT)")
+    e.add_argument("--max-new-tokens", type=int, default=128)
+    e.add_argument("--block-size", type=int, default=None, help="default: the drafter's block_size")
+    e.add_argument("--temperature", type=float, default=0.0)
+    e.add_argument("--num-prompts", type=int, default=None, help="use at most this many prompts")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--out", default=None, help="output directory for eval.json and eval.png")
+    e.set_defaults(fn=cmd_eval)
+
+    r = sub.add_parser("regenerate", help="rewrite a dataset's assistant turns with the target (greedy, batched)")
+    r.add_argument("--target", default=None)
+    r.add_argument("--data", default="sharegpt", help="'sharegpt' or a .json/.jsonl file")
+    r.add_argument("--out", required=True, help="output JSONL (resumable: existing lines are kept)")
+    r.add_argument("--max-samples", type=int, default=None)
+    r.add_argument("--max-new-tokens", type=int, default=256)
+    r.add_argument("--batch-size", type=int, default=32)
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--device", default="auto")
+    r.set_defaults(fn=cmd_regenerate)
+
+    d = sub.add_parser("demo", help="train + evaluate a drafter for the embedded SmolLM2 on ShareGPT, offline")
+    d.add_argument("--minutes", type=float, default=None, help="training time budget")
+    d.add_argument("--device", default="auto")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    d.set_defaults(fn=cmd_demo)
+
+    doc = sub.add_parser("doctor", help="check versions, devices and a compiled step in a worker thread")
+    doc.add_argument("--compile", default="auto", help="compile mode to check (auto | eager | default | reduce-overhead)")
+    doc.set_defaults(fn=cmd_doctor)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.fn(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Step metrics: one line per logged step, a JSONL file, and TensorBoard events when tensorboard is installed.
+
+Metric tensors arrive still on the device; `.item()`/`.tolist()` here is the only host sync of the training loop,
+and it happens only on log steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("dflash_train")
+
+
+def flops_per_token_drafter(cfg) -> float:
+    """Rough dense training FLOPs per block position (fwd + bwd = 3x fwd), excluding attention scores."""
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    per_layer = 2 * H * (2 * q + 2 * kv) + 2 * 3 * H * I
+    return 3.0 * (L * per_layer + 2 * H * cfg.vocab_size)
+
+
+class MetricsLogger:
+    """Accumulates per-step device metrics and flushes them as one line + JSONL (+ TensorBoard) per log step."""
+
+    def __init__(self, out_dir: Path | None, total_steps: int, tokens_per_step: int, log_every: int = 10,
+                 tensorboard: bool = True, start_step: int = 0):
+        self.total_steps, self.tokens_per_step, self.log_every = total_steps, tokens_per_step, log_every
+        self.out_dir = out_dir
+        self._jsonl = None
+        self._tb = None
+        self.history: list[dict] = []
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(out_dir / "metrics.jsonl", "a")
+            if tensorboard:
+                try:
+                    from torch.utils.tensorboard import SummaryWriter
+                    self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+                except Exception:  # noqa: BLE001 - tensorboard is optional
+                    self._tb = None
+        self._t0 = time.perf_counter()
+        self._last_t, self._last_step = self._t0, start_step
+        self._start_step = start_step
+
+    def should_log(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.total_steps
+
+    def log(self, step: int, metrics: dict[str, torch.Tensor], lr: float, extra: dict | None = None) -> dict:
+        """step is 1-based (steps done). Reads the device tensors (host sync) and prints one line."""
+        now = time.perf_counter()
+        steps = max(1, step - self._last_step)
+        dt = (now - self._last_t) / steps
+        self._last_t, self._last_step = now, step
+        acc = metrics["acc"].float().tolist()
+        rec = {"step": step, "loss": float(metrics["loss"]), "acc": acc,
+               "cond_acc": metrics["cond_acc"].float().tolist(), "tau_est": float(metrics["tau_est"]),
+               "lr": lr, "step_time_s": dt, "tokens_per_s": self.tokens_per_step / dt if dt > 0 else 0.0}
+        if extra:
+            rec.update(extra)
+        eta = (self.total_steps - step) * dt
+        line = (f"step {step:>6}/{self.total_steps} | loss {rec['loss']:.4f} | acc@1 {acc[0]:.3f} "
+                f"acc@4 {acc[min(3, len(acc) - 1)]:.3f} | tau~ {rec['tau_est']:.2f} | lr {lr:.2e} | "
+                f"{rec['tokens_per_s']:,.0f} tok/s | eta {_fmt_s(eta)}")
+        for key in ("drafter_wait", "target_wait", "queues"):
+            if extra and key in extra:
+                v = extra[key]
+                line += f" | {key} {v:.0%}" if isinstance(v, float) else f" | {key} {v}"
+        log.info(line)
+        self.history.append(rec)
+        if self._jsonl:
+            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            self._tb.add_scalar("train/loss", rec["loss"], step)
+            self._tb.add_scalar("train/tau_est", rec["tau_est"], step)
+            self._tb.add_scalar("train/lr", lr, step)
+            self._tb.add_scalar("train/tokens_per_s", rec["tokens_per_s"], step)
+            for k, a in enumerate(acc, start=1):
+                self._tb.add_scalar(f"acc/pos{k:02d}", a, step)
+        return rec
+
+    def close(self):
+        if self._jsonl:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb:
+            self._tb.close()
+            self._tb = None
+
+
+def _fmt_s(s: float) -> str:
+    s = int(max(0, s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

@@ -1,0 +1,86 @@
+"""The simple, single-device, single-thread training loop: the reference the threaded pipeline must reproduce.
+
+  batch -> target.features -> DrafterStep (fwd+bwd) -> clip -> AdamW -> schedule -> log / checkpoint
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..models.checkpoint import save_drafter
+from ..models.target import load_target
+from .checkpointing import CheckpointManager, set_rng_state
+from .metrics import MetricsLogger
+from .optim import build_optimizer, build_scheduler
+from .run import RunSetup, build_run
+from .step import DrafterStep
+
+log = logging.getLogger("dflash_train")
+
+
+@dataclass
+class TrainResult:
+    out_dir: Path
+    drafter_dir: Path
+    steps: int
+    history: list[dict]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResult:
+    setup = setup or build_run(cfg)
+    device = resolve_device(cfg.pipeline.drafter_devices[0])
+    target = load_target(cfg.model.target, setup.drafter.config.target_layer_ids, device=device)
+    ckpt = CheckpointManager(setup.out_dir, cfg.train.keep_checkpoints)
+
+    drafter = setup.drafter
+    start_step, state = 0, None
+    if cfg.run.resume == "auto":
+        found = ckpt.load_latest()
+        if found is not None:
+            drafter, state, path = found
+            start_step = state["step"]
+            log.info(f"resuming from {path} at step {start_step}")
+    drafter = drafter.float().to(device).train()
+    optimizer = build_optimizer(drafter.parameters(), cfg.train, device)
+    scheduler = build_scheduler(optimizer, cfg.train, setup.total_steps)
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+
+    step_fn = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, cfg.train, device)
+    logger = MetricsLogger(setup.out_dir, setup.total_steps, cfg.train.token_budget, cfg.train.log_every,
+                           start_step=start_step)
+    step = start_step
+    try:
+        for batch in setup.schedule.iter_from(start_step):
+            b = batch.to(device)
+            feats = target.features(b.input_ids, b.position_ids, b.doc_ids)
+            metrics = step_fn(b, feats)
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            if logger.should_log(step):
+                logger.log(step, metrics, scheduler.get_last_lr()[0])
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
+                ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
+        ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
+        final = save_drafter(drafter, setup.out_dir / "drafter")
+    finally:
+        logger.close()
+    log.info(f"done: {step} steps; servable drafter in {final}")
+    return TrainResult(setup.out_dir, final, step, logger.history)

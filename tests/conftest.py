@@ -1,0 +1,44 @@
+"""Tiny randomly initialised targets (Llama and Qwen3 shapes) saved as local HF directories: seconds on CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+
+def make_tiny_target(path, kind: str = "llama", seed: int = 0, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(TINY, **overrides)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**kw, tie_word_embeddings=False))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**kw, head_dim=16, tie_word_embeddings=True))
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+@pytest.fixture(params=["llama", "qwen3"])
+def tiny_target(request, tiny_llama, tiny_qwen3):
+    return {"llama": tiny_llama, "qwen3": tiny_qwen3}[request.param]

@@ -1,0 +1,70 @@
+"""Target adapter: taps, truncation, packing exactness, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.data.packing import Sample, pack_samples
+from dflash_train.models.target import TargetError, default_layer_ids, load_target
+
+
+def test_default_layer_ids_rule():
+    assert default_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_layer_ids(36, 1) == [18]
+    assert default_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+
+
+def test_features_match_hidden_states(tiny_target):
+    t = load_target(tiny_target, [0, 2], truncate=False)
+    ids = torch.randint(0, 128, (20,))
+    feats = t.features(ids, torch.arange(20), torch.zeros(20, dtype=torch.long))
+    assert feats.shape == (20, 2 * 64)
+    with torch.no_grad():
+        hs = t.hf(input_ids=ids[None], output_hidden_states=True).hidden_states
+    # hidden state i+1 is the output of layer i
+    torch.testing.assert_close(feats, torch.cat([hs[1][0], hs[3][0]], -1), atol=1e-5, rtol=1e-5)
+
+
+def test_truncation_drops_later_layers_without_changing_features(tiny_target):
+    full = load_target(tiny_target, [1, 2], truncate=False)
+    cut = load_target(tiny_target, [1, 2], truncate=True)
+    assert len(cut.hf.model.layers) == 3
+    ids = torch.randint(0, 128, (16,))
+    args = (ids, torch.arange(16), torch.zeros(16, dtype=torch.long))
+    torch.testing.assert_close(cut.features(*args), full.features(*args))
+
+
+def test_packed_documents_get_the_same_features_as_alone(tiny_target):
+    t = load_target(tiny_target, [1, 3])
+    g = torch.Generator().manual_seed(0)
+    docs = [Sample(torch.randint(0, 128, (n,), generator=g).tolist(), [True] * n) for n in (7, 11, 5)]
+    (row,) = pack_samples(docs, 32)
+    packed = t.features(row.input_ids, row.position_ids, row.doc_ids)
+    start = 0
+    for d in docs:
+        n = len(d.input_ids)
+        alone = t.features(torch.tensor(d.input_ids), torch.arange(n), torch.zeros(n, dtype=torch.long))
+        torch.testing.assert_close(packed[start:start + n], alone, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_missing_path_is_one_clear_error(tmp_path):
+    with pytest.raises(TargetError, match="does not exist"):
+        load_target(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TargetError, match="no config.json"):
+        load_target(str(tmp_path / "empty"))
+
+
+def test_untappable_architecture_is_one_clear_error(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(TargetError, match="Cannot tap GPT2LMHeadModel"):
+        load_target(str(tmp_path / "gpt2"), [0])
+
+
+def test_layer_ids_out_of_range(tiny_llama):
+    with pytest.raises(TargetError, match="within 0..3"):
+        load_target(tiny_llama, [1, 7])
