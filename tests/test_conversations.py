@@ -1,0 +1,320 @@
+"""Chat data: readers, assistant-only loss masks under several chat templates, the split, the cache."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from dflash_train.config import DataConfig
+from dflash_train.data import conversations as conv_mod
+from dflash_train.data.conversations import ChatEncoder, DataError, is_heldout, load_chat_dataset
+from dflash_train.data.dataset import load_dataset
+from dflash_train.data.sources import _iter_json_list, iter_conversations, normalise_record, open_source
+from dflash_train.models.target import load_tokenizer
+
+
+def chatml_with_markers(default_system: str) -> str:
+    """ChatML with {% generation %} markers around exactly content + <|im_end|> (the Qwen2.5 layout)."""
+    return (
+        "{%- for m in messages %}"
+        "{%- if loop.first and m.role != 'system' %}{{- '<|im_start|>system\\n" + default_system + "<|im_end|>\\n' }}"
+        "{%- endif %}"
+        "{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+        "{% generation %}{{- m.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}"
+        "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+QWEN_MARKED = chatml_with_markers("You are Qwen.")
+# SmolLM2's own template plus markers: the reference that the span search must agree with.
+CHATML_MARKED = chatml_with_markers("You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+
+# Qwen3-like, no markers: assistant turns after the last user turn get an (empty) think block before the content.
+QWEN3_PLAIN = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last_user %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "It is 6.\nDone."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+def _with_template(tok, template):
+    t = copy.deepcopy(tok)
+    t.chat_template = template
+    return t
+
+
+@pytest.fixture(scope="module")
+def qwen_marked(tok):
+    return _with_template(tok, QWEN_MARKED)
+
+
+@pytest.fixture(scope="module")
+def qwen3_plain(tok):
+    return _with_template(tok, QWEN3_PLAIN)
+
+
+def masked_runs(tok, sample) -> list[str]:
+    """Decoded contiguous runs of loss-masked tokens."""
+    runs, cur = [], []
+    for i, m in zip(sample.input_ids, sample.loss_mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r) for r in runs]
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def many_chats(n: int) -> list[dict]:
+    return [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question number {i}?"},
+                                               {"from": "gpt", "value": f"Answer number {i}."}]} for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- readers
+
+def test_normalise_sharegpt_and_openai_records():
+    counts = Counter()
+    sharegpt = {"id": "x_3", "conversations": [
+        {"from": "gpt", "value": "leading reply, nothing asked"},
+        {"from": "system", "value": " sys "},
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "   "},
+        {"from": "chatgpt", "value": "hello\n"},
+        {"from": "human", "value": "trailing question"},
+    ]}
+    c = normalise_record(sharegpt, 0, counts)
+    assert c.messages == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": "hello"}]
+    assert c.key == "x"  # parts of one ShareGPT chat share the split key
+    assert counts == {"leading_assistant_turns_dropped": 1, "empty_turns_dropped": 1}
+
+    openai = {"messages": [{"role": "system", "content": "S"},
+                           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                           {"role": "assistant", "content": "ok"}]}
+    c = normalise_record(openai, 1, counts)
+    assert c.messages[1] == {"role": "user", "content": "a\nb"}
+    assert len(c.key) == 40  # no id: keyed by content
+    assert normalise_record(openai, 7, Counter()).key == c.key
+
+
+@pytest.mark.parametrize("record, reason", [
+    ([1, 2], "not_an_object"),
+    ({"id": "a"}, "no_conversation_key"),
+    ({"messages": "hi"}, "conversation_not_a_list"),
+    ({"messages": ["hi"]}, "turn_not_an_object"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "x"}]}, "unknown_role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "non_text_content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}]}, "non_text_content"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "non_text_content"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}, "no_assistant_turn"),
+])
+def test_malformed_records_are_counted_not_raised(record, reason):
+    counts = Counter()
+    assert normalise_record(record, 0, counts) is None
+    assert {k: n for k, n in counts.items() if k.startswith("skip:")} == {f"skip:{reason}": 1}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1 << 20])
+def test_streaming_json_list_matches_json_load(tmp_path, chunk):
+    data = many_chats(5) + [{"s": "x" * 300 + "\\u00e9 \"q\" ]},", "n": [1.5e3, True, None, {}], "e": []}]
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(data, indent=1))
+    with open(path) as f:
+        assert list(_iter_json_list(f, path, Counter(), chunk_chars=chunk)) == data
+
+
+def test_truncated_json_list_keeps_complete_records(tmp_path):
+    text = json.dumps(many_chats(3))
+    path = tmp_path / "cut.json"
+    path.write_text(text[: text.index('"c2"') + 10])  # cut inside the third record, like the bundled file
+    counts = Counter()
+    assert [c.key for c in iter_conversations(path, counts)] == ["c0", "c1"]
+    assert counts["skip:truncated_file_tail"] == 1
+
+
+def test_jsonl_with_malformed_lines(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", many_chats(3) + ["{not json", "[1, 2]", '{"messages": 3}', ""])
+    counts = Counter()
+    assert [c.key for c in iter_conversations(path, counts)] == ["c0", "c1", "c2"]
+    assert counts == {"skip:bad_json_line": 1, "skip:not_an_object": 1, "skip:conversation_not_a_list": 1}
+
+
+def test_bad_sources_raise_one_clear_sentence(tmp_path, tok):
+    cfg = lambda source: DataConfig(source=str(source))  # noqa: E731
+    for source, match in [(tmp_path / "missing.jsonl", "does not exist"),
+                          (tmp_path / "data.csv", "not a .json or .jsonl"),
+                          (tmp_path / "dir.json", "does not exist")]:
+        if source.name == "dir.json":
+            source.mkdir()
+        with pytest.raises(DataError, match=match) as e:
+            load_chat_dataset(cfg(source), tok)
+        assert source.name in str(e.value) and "data.source" in str(e.value)
+    obj = tmp_path / "obj.json"
+    obj.write_text('{"conversations": []}')
+    with pytest.raises(DataError, match="JSON list"):
+        load_chat_dataset(cfg(obj), tok)
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"messages": []} {"messages": []}]')
+    with pytest.raises(DataError, match="broken.json.*expected ','"):
+        load_chat_dataset(cfg(broken), tok)
+    useless = write_jsonl(tmp_path / "useless.jsonl", ["oops", {"messages": [{"role": "user", "content": "q"}]}])
+    with pytest.raises(DataError, match=r"no usable training conversations.*bad_json_line.*no_assistant_turn"):
+        load_chat_dataset(cfg(useless), tok)
+
+
+def test_tokenizer_without_chat_template(tmp_path, tok):
+    bare = _with_template(tok, None)
+    path = write_jsonl(tmp_path / "d.jsonl", many_chats(2))
+    with pytest.raises(DataError, match="no chat template"):
+        load_chat_dataset(DataConfig(source=str(path)), bare)
+
+
+# ---------------------------------------------------------------------------------------------- masks
+
+@pytest.mark.parametrize("template", ["smollm2", "qwen_marked", "qwen3_plain"])
+@pytest.mark.parametrize("with_system", [True, False])
+def test_loss_mask_is_exactly_assistant_content_and_end_of_turn(request, template, with_system):
+    tokenizer = request.getfixturevalue("tok" if template == "smollm2" else template)
+    messages = CHAT if with_system else CHAT[1:]
+    encoder = ChatEncoder(tokenizer, max_length=4096)
+    assert encoder.mask_rule == ("generation_markers" if template == "qwen_marked" else "template_spans")
+    (sample,) = encoder.encode([messages])
+    # ids are exactly what the template produces (SmolLM2's default system prompt included when none is given)
+    assert sample.input_ids == tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert masked_runs(tokenizer, sample) == ["4.<|im_end|>", "It is 6.\nDone.<|im_end|>"]
+    if template == "qwen3_plain":
+        assert "<think>" in tokenizer.decode(sample.input_ids)  # present in the input, outside the mask
+
+
+def test_span_search_agrees_with_generation_markers_on_sharegpt(tok):
+    """The span search (SmolLM2's plain template) against the template's own markers, on real ShareGPT chats."""
+    reference = ChatEncoder(_with_template(tok, CHATML_MARKED), max_length=2048)
+    encoder = ChatEncoder(tok, max_length=2048)
+    counts, chats = Counter(), []
+    with open_source("sharegpt") as path:
+        for c in iter_conversations(path, counts):
+            chats.append(c.messages)
+            if len(chats) == 48:
+                break
+    got, want = encoder.encode(chats), reference.encode(chats)
+    assert sum(not isinstance(s, str) for s in got) >= 40  # a few open with a user paste past max_length
+    for g, w in zip(got, want):
+        assert g == w
+
+
+def test_template_that_rerenders_history_falls_back_to_search(tok):
+    # The system header counts the messages, so no shorter prefix render is a prefix of the full text.
+    counting = _with_template(tok, "{{- '<|im_start|>system\\n' + messages|length|string + '<|im_end|>\\n' }}"
+                                   "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + "
+                                   "'<|im_end|>\\n' }}{%- endfor %}"
+                                   "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    echo = [{"role": "user", "content": "Say 4."}, *CHAT[2:]]  # the first answer also stands inside the question
+    (sample,) = ChatEncoder(counting, 4096).encode([echo])
+    assert masked_runs(tok, sample) == ["4.<|im_end|>", "It is 6.\nDone.<|im_end|>"]
+    first = sample.loss_mask.index(True)
+    assert tok.decode(sample.input_ids[:first]).endswith("Say 4.<|im_end|>\n<|im_start|>assistant\n")
+    shouting = _with_template(tok, tok.chat_template.replace("message['content']", "message['content'] | upper"))
+    assert ChatEncoder(shouting, 4096).encode([CHAT]) == ["assistant_content_not_in_template_output"]
+
+
+def test_truncation(tok):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 200}]
+    full, = ChatEncoder(tok, 4096).encode([messages])
+    (cut,) = ChatEncoder(tok, 40).encode([messages])
+    assert cut.input_ids == full.input_ids[:40] and cut.loss_mask == full.loss_mask[:40]
+    long_question = [{"role": "user", "content": "why " * 200}, {"role": "assistant", "content": "because"}]
+    assert ChatEncoder(tok, 40).encode([long_question]) == ["no_assistant_tokens_within_max_length"]
+
+
+# ---------------------------------------------------------------------------------------------- split, cache
+
+def test_split_is_deterministic_and_capped(tmp_path, tok):
+    path = write_jsonl(tmp_path / "d.jsonl", many_chats(200))
+    cfg = DataConfig(source=str(path), heldout_fraction=0.2, heldout_max=30)
+    a, b = load_chat_dataset(cfg, tok, seed=0), load_chat_dataset(cfg, tok, seed=0)
+    assert a.heldout_messages == b.heldout_messages and a.train == b.train
+    assert len(a.heldout) == len(a.heldout_messages) == 30  # ~40 hash under 0.2, capped
+    c = load_chat_dataset(cfg, tok, seed=1)
+    assert c.heldout_messages != a.heldout_messages
+    held_q = {m[0]["content"] for m in a.heldout_messages}
+    keys_held = [f"c{i}" for i in range(200) if is_heldout(f"c{i}", 0, 0.2)]
+    assert held_q == {f"Question number {k[1:]}?" for k in keys_held[:30]}  # first 30 in file order
+    assert a.stats["heldout_overflow"] == len(keys_held) - 30
+    assert len(a.train) == 200 - len(keys_held)  # overflow is dropped, never trained on
+
+
+def test_max_samples_takes_first_train_conversations_and_stops_early(tmp_path, tok, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", many_chats(300))
+    full = load_chat_dataset(DataConfig(source=str(path), heldout_fraction=0.1, heldout_max=5), tok)
+    small = load_chat_dataset(DataConfig(source=str(path), heldout_fraction=0.1, heldout_max=5, max_samples=20), tok)
+    assert small.train == full.train[:20] and small.heldout == full.heldout
+    assert small.stats["stopped_early"] and small.stats["conversations"] < 100
+    monkeypatch.setattr(conv_mod, "ENCODE_BATCH", 1)  # batching never changes the result
+    one = load_chat_dataset(DataConfig(source=str(path), heldout_fraction=0.1, heldout_max=5, max_samples=20), tok)
+    assert one.train == small.train and one.heldout == small.heldout
+
+
+def test_cache_hit_skips_the_tokenizer(tmp_path, tok, monkeypatch):
+    path = write_jsonl(tmp_path / "d.jsonl", many_chats(50))
+    cfg = DataConfig(source=str(path), heldout_fraction=0.1)
+    first = load_chat_dataset(cfg, tok, cache_dir=str(tmp_path / "cache"))
+    assert first.stats["cache"] == "miss"
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".npz"]  # no temporary file left behind
+
+    def boom(*a, **k):
+        raise AssertionError("tokenizer called on a cache hit")
+
+    with monkeypatch.context() as m:
+        m.setattr(type(tok), "__call__", boom)
+        m.setattr(type(tok), "apply_chat_template", boom)
+        second = load_chat_dataset(cfg, tok, cache_dir=str(tmp_path / "cache"))
+    assert second.stats["cache"] == "hit"
+    assert (second.train, second.heldout, second.heldout_messages) == \
+           (first.train, first.heldout, first.heldout_messages)
+    other = load_chat_dataset(DataConfig(source=str(path), heldout_fraction=0.1, max_length=64), tok,
+                              cache_dir=str(tmp_path / "cache"))
+    assert other.stats["cache"] == "miss"  # a setting that changes the tokens changes the key
+
+
+def test_load_dataset_end_to_end(tmp_path, tok, caplog):
+    records = [{"id": "o1", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u"},
+                                         {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", records + many_chats(20) + ["garbage"])
+    with caplog.at_level(logging.INFO, logger="dflash_train"):
+        split = load_dataset(DataConfig(source=str(path), heldout_fraction=0.0), tok)
+    assert len(split.train) == 21 and split.heldout == [] and split.heldout_messages == []
+    assert masked_runs(tok, split.train[0]) == ["a<|im_end|>"]
+    assert split.stats["skipped"] == {"bad_json_line": 1}
+    assert "21 train / 0 held-out" in caplog.text
