@@ -65,7 +65,8 @@ def main():
     print(torch.__version__, torch.cuda.get_device_name(0), flush=True)
     target = make_target(tempfile.mkdtemp())
     rows = []
-    for mode, thread in (("eager", False), ("default", False), ("reduce-overhead", False), ("reduce-overhead", True)):
+    for mode, thread in [tuple(x.split(":")) for x in (sys.argv[1:] or ["eager:0", "default:0", "reduce-overhead:0", "reduce-overhead:1"])]:
+        thread = thread == "1"
         r = run(mode, target, 60, thread)
         rows.append(r)
         print(r, flush=True)

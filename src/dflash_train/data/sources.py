@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
+from ..errors import UserError
+
 SOURCE_HINT = "set data.source to 'sharegpt', 'synthetic' or a local .json/.jsonl chat file"
 
 ROLES = {
@@ -26,7 +28,7 @@ ROLES = {
 }
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """The training data the user pointed at cannot be used; the message names the file and the fix."""
 
 

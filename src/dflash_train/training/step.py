@@ -70,6 +70,12 @@ class DrafterStep:
         self.attention = resolve_attention(cfg.attention, device)
         self.loss_chunk = cfg.loss_chunk
         self.compile_mode = resolve_compile_mode(cfg.compile, device)
+        # Own, persistent .grad buffers: backward then *accumulates* (copies) into them. A None grad would instead
+        # steal the CUDA graph's static output buffer, which a later replay may overwrite (training silently
+        # stalled on torch 2.11 with reduce-overhead). Callers zero them in place: zero_grad(set_to_none=False).
+        for p in drafter.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         fn = _fresh_function(_loss_fn, tag)
         if self.compile_mode == "eager":
             self._loss = fn

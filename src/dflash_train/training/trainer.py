@@ -72,7 +72,10 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
                 torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
             optimizer.step()
             scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            # Keep .grad allocated: with CUDA graphs (reduce-overhead) a None grad would *steal* the graph's static
+            # output buffer, which a later replay in the same backward may overwrite (measured on torch 2.11:
+            # training stalled). Accumulating into our own buffers copies the values out instead.
+            optimizer.zero_grad(set_to_none=False)
             step += 1
             if logger.should_log(step):
                 logger.log(step, metrics, scheduler.get_last_lr()[0])
