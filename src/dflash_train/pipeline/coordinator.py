@@ -1,0 +1,235 @@
+"""The threaded training pipeline: build the stages, start them in order, supervise, shut down on every exit path.
+
+  loader --batches--> target workers --features--> prefetch (reorder, copy) --inbox per replica--> drafter workers
+  (1 thread)  [queue]  (1 thread per target device) [queue]  (1 thread)      [1-deep queues]    (1 thread per replica,
+                                                                                                 grads averaged)
+Startup: drafters one at a time (each compiles and warms up; `ready` when done), then the target workers (one warm
+forward each), then the recompile guard is armed and the prefetcher and loader start. The main thread only
+supervises: the first worker failure, a stalled worker or a signal (SIGINT/SIGTERM) stops every thread; a failure
+is re-raised naming the worker with its full traceback, a signal writes a checkpoint first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import Config
+from ..models.checkpoint import save_drafter
+from ..models.target import load_target
+from ..training.checkpointing import CheckpointManager, set_rng_state
+from ..training.metrics import MetricsLogger
+from ..training.run import build_run, prepare_out_dir
+from ..training.step import resolve_compile_mode
+from ..training.trainer import TrainResult
+from .devices import cpu_threads_per_worker, resolve_pipeline_devices
+from .drafter_worker import DrafterWorker, RecompileGuard
+from .faults import FaultPlan
+from .loader import LoaderWorker, dummy_batch
+from .prefetch import Prefetcher
+from .reporter import StepReporter
+from .gradsync import GradAverager
+from .target_worker import TargetWorker
+from .worker import RunControl, Worker
+
+log = logging.getLogger("dflash_train")
+JOIN_TIMEOUT_S = 10.0  # after stop, every thread leaves its wait within POLL_S; only a hung kernel takes longer
+SUPERVISE_POLL_S = 0.1
+
+
+@dataclass
+class PipelineResult(TrainResult):
+    replica_checksums: list[list[float]] = field(default_factory=list)  # [step][replica], equal within a step
+    stage_fractions: dict = field(default_factory=dict)                 # wait/busy fractions over the run
+
+
+def train_pipeline(cfg: Config) -> PipelineResult:
+    target_devices, drafter_devices = resolve_pipeline_devices(cfg.pipeline)
+    faults = FaultPlan.from_env()
+    out = prepare_out_dir(cfg)
+    with run_log_file(out), cpu_thread_budget(target_devices + drafter_devices):
+        return _Pipeline(cfg, target_devices, drafter_devices, faults).run()
+
+
+class _Pipeline:
+    def __init__(self, cfg: Config, target_devices, drafter_devices, faults: FaultPlan):
+        self.cfg, self.n = cfg, len(drafter_devices)
+        self.run_setup = build_run(cfg, batches_per_step=self.n)
+        self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints)
+        init, state, self.start_step = self.run_setup.drafter, None, 0
+        if cfg.run.resume == "auto" and (found := self.ckpt.load_latest()) is not None:
+            init, state, path = found
+            self.start_step = state["step"]
+            set_rng_state(state["rng"])
+            log.info(f"resuming from {path} at step {self.start_step}")
+        start_batch = state["data_position"] if state else 0
+        layer_ids = init.config.target_layer_ids
+        targets = [load_target(cfg.model.target, layer_ids, device=d) for d in target_devices]
+        self.control = RunControl()
+        depth = cfg.pipeline.queue_depth
+        batches, feats = queue.Queue(depth), queue.Queue(depth)
+        inboxes = [queue.Queue(1) for _ in drafter_devices]  # 1 on the device being trained + 1 waiting here
+        in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
+        self.logger = MetricsLogger(self.run_setup.out_dir, self.run_setup.total_steps,
+                                    cfg.train.token_budget * self.n, cfg.train.log_every, start_step=self.start_step)
+        try:
+            self.guard = RecompileGuard(resolve_compile_mode(cfg.train.compile, drafter_devices[0]) != "eager")
+            gradsync = GradAverager(self.n)
+            c, fp = self.control, faults
+            self.drafters = [DrafterWorker(r, c, fp, d, self.run_setup, init, state, self.start_step,
+                                           targets[0].embed_tokens.weight, targets[0].lm_head.weight, inboxes[r],
+                                           gradsync, self.guard, self.logger.should_log)
+                             for r, d in enumerate(drafter_devices)]
+            warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
+            self.targets = [TargetWorker(i, c, fp, t, d, batches, feats, warm)
+                            for i, (t, d) in enumerate(zip(targets, target_devices))]
+            self.reporter = StepReporter(self.logger, self.ckpt, cfg.train.checkpoint_every, self.run_setup.total_steps,
+                                         self.n, batches, feats, self.targets, self.drafters)
+            self.drafters[0].reporter = self.reporter
+            self.prefetch = Prefetcher(c, feats, inboxes, drafter_devices, [w.stream for w in self.drafters],
+                                       len(targets), start_batch, in_flight)
+            uses_cuda = any(d.type == "cuda" for d in target_devices + drafter_devices)
+            self.loader = LoaderWorker(c, fp, self.run_setup.schedule, start_batch, batches, in_flight,
+                                       len(targets), pin_memory=uses_cuda)
+            self.workers: list[Worker] = [*self.drafters, *self.targets, self.prefetch, self.loader]
+        except BaseException:
+            self.logger.close()  # no thread has started yet: the open metrics file is all there is to close
+            raise
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> PipelineResult:
+        try:
+            with stop_on_signals(self.control):
+                self._start_and_supervise()
+        finally:
+            alive = self._shutdown()
+            self.logger.close()
+        if self.control.failure is not None:
+            message = self.control.failure[1]
+            if alive:
+                message += f"\n(threads still running after stop: {', '.join(alive)})"
+            log.error(message)  # last in the log, so its tail always shows the cause
+            raise RuntimeError(message)
+        d0 = self.drafters[0]
+        if self.control.interrupted:
+            log.warning(f"{self.control.interrupted}: stopped after step {d0.steps_done}; writing a checkpoint")
+            saved = self._save(d0) if d0.steps_done > self.start_step else "no new step to save"
+            raise KeyboardInterrupt(f"stopped by {self.control.interrupted} after step {d0.steps_done}: {saved}")
+        self._check_replicas_identical()
+        self._save(d0)
+        final = save_drafter(d0.drafter, self.run_setup.out_dir / "drafter")
+        log.info(f"done: {d0.steps_done} steps on {self.n} replica(s); servable drafter in {final}")
+        checksums = [list(c) for c in zip(*(d.checksums for d in self.drafters))]
+        return PipelineResult(self.run_setup.out_dir, final, d0.steps_done, self.logger.history, checksums,
+                              self.reporter.run_fractions())
+
+    def _start_and_supervise(self) -> None:
+        for d in self.drafters:  # one at a time: each compiles and captures alone
+            d.start()
+            if not self._supervise(d.ready.is_set):
+                return
+        for t in self.targets:
+            t.start()
+        if not self._supervise(lambda: all(t.ready.is_set() for t in self.targets)):
+            return
+        self.guard.arm()
+        self.reporter.restart_window()
+        self.prefetch.start()
+        self.loader.start()
+        self._supervise(lambda: all(w.finished.is_set() for w in self.workers))
+
+    def _supervise(self, done) -> bool:
+        """Wait until done(); False when the run is stopping (failure, stall or signal). Stall = a started worker
+        whose heartbeat is older than pipeline.stall_timeout_s (waiting workers keep beating)."""
+        timeout = self.cfg.pipeline.stall_timeout_s
+        while not done():
+            if self.control.stop.is_set():
+                return False
+            now = time.monotonic()
+            for w in self.workers:
+                if w.running and now - w.last_beat > timeout:
+                    self.control.fail(w.name, f"{w.name} stalled: no progress for {now - w.last_beat:.1f} s "
+                                              f"(pipeline.stall_timeout_s={timeout:g}); it is here:\n{w.stack()}")
+                    return False
+            self.control.stop.wait(SUPERVISE_POLL_S)
+        return not self.control.stop.is_set()
+
+    def _shutdown(self) -> list[str]:
+        """Stop every thread and join it; returns the names of threads that did not finish in time."""
+        self.control.stop.set()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for w in self.workers:
+            if w.thread.ident is not None:
+                w.thread.join(max(0.0, deadline - time.monotonic()))
+        return [w.thread.name for w in self.workers if w.thread.is_alive()]
+
+    def _save(self, d0: DrafterWorker) -> Path:
+        return self.ckpt.save(d0.steps_done, d0.drafter, d0.optimizer, d0.scheduler,
+                              data_position=d0.steps_done * self.n)
+
+    def _check_replicas_identical(self) -> None:
+        ref = self.drafters[0].drafter.state_dict()
+        for d in self.drafters[1:]:
+            for name, t in d.drafter.state_dict().items():
+                if not torch.equal(t.to(ref[name].device), ref[name]):
+                    raise RuntimeError(f"replica {d.replica} diverged from replica 0 at {name}: a gradsync bug")
+
+
+# ---------------------------------------------------------------------------------------------- run scope
+
+@contextmanager
+def run_log_file(out_dir: Path):
+    """Everything the 'dflash_train' logger says during the run also goes to <out_dir>/run.log."""
+    logger = logging.getLogger("dflash_train")
+    handler = logging.FileHandler(out_dir / "run.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(message)s"))
+    old_level = logger.level
+    if logger.getEffectiveLevel() > logging.INFO:
+        logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.setLevel(old_level)
+
+
+@contextmanager
+def cpu_thread_budget(devices: list[torch.device]):
+    """Split the cores between the workers computing on the CPU at once (restored afterwards)."""
+    n, old = cpu_threads_per_worker(devices), torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+@contextmanager
+def stop_on_signals(control: RunControl):
+    """SIGINT/SIGTERM -> a clean stop (and a checkpoint); a second one interrupts at once. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        if control.interrupted:  # the second signal aborts at once (threads are still stopped and joined)
+            raise KeyboardInterrupt
+        control.interrupt(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)

@@ -1,0 +1,97 @@
+"""Device lists of the pipeline, CUDA streams and events (no-ops on CPU), and the CPU thread budget.
+
+Every GPU worker computes on a CUDA stream of its own (so a target and a drafter sharing one GPU overlap), and
+work crosses between streams only through events: `record_event` after the producer's work, `wait_event` on the
+consumer's stream before it reads. On CPU every op is synchronous, so both are no-ops there.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from ..config import ConfigError, PipelineConfig
+
+
+def _parse_device(name: str, key: str) -> torch.device:
+    name = str(name).strip()
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if name.isdigit():  # `[0]` / `[1, 2, 3]`: GPU indices
+        name = f"cuda:{name}"
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"pipeline.{key} entry {name!r} is not a device; use 'cpu', 'cuda:N', N or 'auto'.") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"pipeline.{key} asks for {name} but no CUDA device is visible; use 'cpu' or 'auto'.")
+        dev = torch.device("cuda", dev.index or 0)
+        if dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"pipeline.{key} asks for {dev} but only {torch.cuda.device_count()} CUDA device(s) "
+                              "are visible.")
+    elif dev.type != "cpu":
+        raise ConfigError(f"pipeline.{key} entry {name!r}: only 'cpu' and CUDA devices are supported.")
+    return dev
+
+
+def resolve_pipeline_devices(cfg: PipelineConfig) -> tuple[list[torch.device], list[torch.device]]:
+    """(target devices, drafter devices). One drafter replica per CUDA device (each captures its own CUDA graphs
+    on its device); CPU may repeat, which is how the tests run several replicas on one machine."""
+    targets = [_parse_device(d, "target_devices") for d in cfg.target_devices]
+    drafters = [_parse_device(d, "drafter_devices") for d in cfg.drafter_devices]
+    cuda = [d for d in drafters if d.type == "cuda"]
+    if len(set(cuda)) != len(cuda):
+        raise ConfigError(f"pipeline.drafter_devices {[str(d) for d in drafters]} repeats a CUDA device; use one "
+                          "drafter replica per GPU.")
+    if len({d.type for d in drafters}) > 1:
+        raise ConfigError("pipeline.drafter_devices mixes CPU and CUDA devices; replicas must be on the same kind of "
+                          "device to stay bit-identical.")
+    return targets, drafters
+
+
+def cpu_threads_per_worker(devices: list[torch.device]) -> int | None:
+    """Intra-op threads when several CPU workers compute at once: the cores split between them (None: no CPU work)."""
+    n = sum(d.type == "cpu" for d in devices)
+    return max(1, (os.cpu_count() or 1) // n) if n else None
+
+
+def new_stream(device: torch.device):
+    return torch.cuda.Stream(device) if device.type == "cuda" else None
+
+
+def stream_scope(device: torch.device, stream):
+    """Make `device` current and `stream` the current stream of this thread (both are thread-local in torch)."""
+    if device.type != "cuda":
+        return nullcontext()
+    return _cuda_scope(device, stream)
+
+
+@contextmanager
+def _cuda_scope(device, stream):
+    with torch.cuda.device(device):
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            yield
+
+
+def record_event(device: torch.device):
+    """An event marking all work queued so far on this thread's current stream of `device` (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+def wait_event(event, device: torch.device) -> None:
+    """Make this thread's current stream of `device` wait for `event` (no host sync)."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+def sync_event(event) -> None:
+    """Block the host until `event` has completed (no-op on CPU)."""
+    if event is not None:
+        event.synchronize()

@@ -1,0 +1,129 @@
+"""Stage 4, a drafter worker: one thread per drafter device, each holding a full replica of the drafter.
+
+Per step: wait for the batch on its device -> DrafterStep (compiled fwd + bwd) -> average grads with the other
+replicas -> clip -> AdamW -> schedule. Replicas start from the same weights and optimizer state and see the same
+averaged gradients, so they stay bit-identical; a per-step weight checksum lets tests (and the end of the run)
+prove it. Replica 0 also reports: log lines and checkpoints happen on its thread, between two steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+from typing import Callable
+
+import torch
+
+from ..models.drafter import DFlashDrafter
+from ..training.optim import build_optimizer, build_scheduler
+from ..training.run import RunSetup
+from ..training.step import DrafterStep
+from .devices import new_stream, wait_event
+from .faults import FaultPlan
+from .gradsync import GradAverager
+from .loader import dummy_batch
+from .worker import END_OF_DATA, RunControl, Worker
+
+
+class RecompileGuard:
+    """Counts frames dynamo compiles (a process-wide counter). Armed once every replica has warmed up: shapes never
+    change, so a compile after that is a bug (and on GPU, a fresh CUDA-graph capture mid-training): fail loudly."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.baseline = enabled, None
+
+    @staticmethod
+    def frames_compiled() -> int:
+        from torch._dynamo.utils import counters
+        return counters["frames"]["total"]
+
+    def arm(self) -> None:
+        if self.enabled:
+            self.baseline = self.frames_compiled()
+
+    def check(self, worker: str, step: int) -> None:
+        if self.baseline is not None and self.frames_compiled() != self.baseline:
+            extra = self.frames_compiled() - self.baseline
+            raise RuntimeError(f"{worker}: {extra} frame(s) recompiled after warm-up (by step {step}); every step "
+                               "must have the same shapes and guards (run with TORCH_LOGS=recompiles to see why).")
+
+
+def weights_checksum(params: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim float64 device tensor: the sum of the parameters' L2 norms (a few kernels, no host sync)."""
+    return torch.stack(torch._foreach_norm([p.detach() for p in params])).double().sum()
+
+
+class DrafterWorker(Worker):
+    def __init__(self, replica: int, control: RunControl, faults: FaultPlan, device: torch.device, run: RunSetup,
+                 init_drafter: DFlashDrafter, train_state: dict | None, start_step: int, embed_w: torch.Tensor,
+                 head_w: torch.Tensor, inbox: queue.Queue, gradsync: GradAverager, guard: RecompileGuard,
+                 is_log_step: Callable[[int], bool], reporter=None):
+        super().__init__(f"drafter{replica}", control, device)
+        self.replica, self.faults, self.run, self.train_state = replica, faults, run, train_state
+        self.init_drafter, self.embed_w, self.head_w = init_drafter, embed_w, head_w
+        self.inbox, self.gradsync, self.guard = inbox, gradsync, guard
+        self.is_log_step, self.reporter = is_log_step, reporter
+        self.stream = new_stream(device)  # the prefetcher makes batches wait-able on this stream
+        self.steps_done = start_step
+        self.checksums: list[float] = []  # one per step trained by this replica
+        self._pending_checksums: list[torch.Tensor] = []
+
+    def setup(self) -> None:
+        cfg = self.run.cfg.train
+        # Identical init on every replica: a private copy of the same CPU weights (and optimizer state, if resuming).
+        self.drafter = copy.deepcopy(self.init_drafter).float().to(self.device).train()
+        self.params = list(self.drafter.parameters())
+        self.optimizer = build_optimizer(self.params, cfg, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.run.total_steps)
+        if self.train_state is not None:
+            # deepcopy: on CPU load_state_dict keeps the given tensors, and replicas must not share Adam moments
+            self.optimizer.load_state_dict(copy.deepcopy(self.train_state["optimizer"]))
+            self.scheduler.load_state_dict(self.train_state["scheduler"])
+        # Its own tag -> its own code object -> its own compile cache and CUDA graphs (see training/step.py).
+        self.step_fn = DrafterStep(self.drafter, self.embed_w, self.head_w, cfg, self.device, tag=str(self.replica))
+        self._warm_up()
+        self.faults.check(self.name, "warmup", self.control.stop)
+
+    def _warm_up(self) -> None:
+        """Compile (and on CUDA capture graphs) on a dummy batch of the real shapes, twice so that anything
+        specialised on a second call happens here too. There is no optimizer step, so weights and optimizer state
+        are untouched and warm-up never changes training; the grads are dropped."""
+        cfg = self.run.cfg.train
+        batch = dummy_batch(cfg.token_budget, cfg.num_anchors).to(self.device)
+        feats = torch.zeros(cfg.token_budget, self.drafter.fc.in_features, device=self.device,
+                            dtype=self.step_fn.dtype)  # [T, k*H]
+        for _ in range(1 if self.step_fn.compile_mode == "eager" else 2):
+            self.step_fn(batch, feats)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def loop(self) -> None:
+        clip = self.run.cfg.train.grad_clip
+        for step in range(self.steps_done, self.run.total_steps):
+            item = self.get(self.inbox)
+            if item is END_OF_DATA:
+                raise RuntimeError(f"the data ended after {step} steps, before step {self.run.total_steps}")
+            self.faults.check(self.name, "step", self.control.stop, step)
+            wait_event(item.ready, self.device)  # the prefetcher's copies are done
+            with self.clock.busy():
+                metrics = self.step_fn(item.batch, item.feats)
+            del item  # the batch's device memory can be reused as soon as the step's kernels are done
+            log_step = self.is_log_step(step + 1)
+            metrics = self.gradsync.all_reduce(self, self.replica, self.params, metrics if log_step else None)
+            with self.clock.busy():  # exactly the single-device trainer's sequence
+                if clip > 0:
+                    torch.nn.utils.clip_grad_norm_(self.params, clip)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.steps_done = step + 1
+            self._pending_checksums.append(weights_checksum(self.params))
+            self.guard.check(self.name, step + 1)
+            if log_step:
+                self.flush_checksums()  # .item() syncs this replica's stream: log steps only
+            if self.reporter is not None:
+                self.reporter.on_step(self, step + 1, metrics)
+        self.flush_checksums()
+
+    def flush_checksums(self) -> None:
+        self.checksums += [float(c) for c in self._pending_checksums]
+        self._pending_checksums.clear()

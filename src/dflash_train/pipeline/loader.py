@@ -1,0 +1,44 @@
+"""Stage 1, the loader: the run's batch schedule -> TrainBatch objects (CPU, pinned when a GPU reads them).
+
+Batches leave in schedule order (index = data position); each takes one slot of the in-flight semaphore, released
+by the prefetcher once that batch is dispatched to a drafter, so batches between here and the drafters (including
+the prefetcher's reorder buffer) are bounded whatever order the target workers finish in.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+from ..data.packing import BatchSchedule, TrainBatch
+from .faults import FaultPlan
+from .worker import END_OF_DATA, RunControl, Worker
+
+
+def dummy_batch(token_budget: int, num_anchors: int) -> TrainBatch:
+    """A batch of the real shapes and dtypes (one document, all supervised) for compile warm-ups."""
+    T, A = token_budget, num_anchors
+    anchors = torch.arange(A, dtype=torch.long) * max(1, T - 2) // max(1, A)  # sorted, inside the row
+    return TrainBatch(input_ids=torch.zeros(T, dtype=torch.long), position_ids=torch.arange(T),
+                      doc_ids=torch.zeros(T, dtype=torch.long), loss_mask=torch.ones(T, dtype=torch.bool),
+                      anchors=anchors, anchor_valid=torch.ones(A, dtype=torch.bool), index=-1)
+
+
+class LoaderWorker(Worker):
+    def __init__(self, control: RunControl, faults: FaultPlan, schedule: BatchSchedule, start_batch: int,
+                 out: queue.Queue, in_flight: threading.Semaphore, num_consumers: int, pin_memory: bool):
+        super().__init__("loader", control)
+        self.faults, self.schedule, self.start_batch = faults, schedule, start_batch
+        self.out, self.in_flight, self.num_consumers, self.pin_memory = out, in_flight, num_consumers, pin_memory
+
+    def loop(self) -> None:
+        for n, batch in enumerate(self.schedule.iter_from(self.start_batch)):
+            self.faults.check(self.name, "step", self.control.stop, n)
+            if self.pin_memory:  # page-locked, so the prefetcher's host->device copies are truly asynchronous
+                batch = batch.pin_memory()
+            self.acquire(self.in_flight)
+            self.put(self.out, batch)
+        for _ in range(self.num_consumers):  # one end marker per target worker
+            self.put(self.out, END_OF_DATA)

@@ -1,0 +1,56 @@
+"""Stage 2, a target worker: one thread per target device, each with its own frozen TargetModel.
+
+  TrainBatch (CPU) -> target.features -> FeatureItem(batch, feats [T, k*H] on the target device, ready event)
+
+Several target workers share one input queue, so they may finish out of order; the prefetcher restores the order.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import dataclass
+
+import torch
+
+from ..data.packing import TrainBatch
+from ..models.target import TargetModel
+from .devices import new_stream, record_event
+from .faults import FaultPlan
+from .worker import END_OF_DATA, RunControl, Worker
+
+
+@dataclass
+class FeatureItem:
+    batch: TrainBatch     # still on the host (pinned on CUDA runs); the prefetcher copies it to the drafter
+    feats: torch.Tensor   # [T, k*H], target dtype, on the target device
+    ready: object = None  # CUDA event recorded after the features were computed (None on CPU)
+
+
+class TargetWorker(Worker):
+    def __init__(self, index: int, control: RunControl, faults: FaultPlan, target: TargetModel,
+                 device: torch.device, inbox: queue.Queue, out: queue.Queue, warmup: TrainBatch):
+        super().__init__(f"target{index}", control, device)
+        self.faults, self.target, self.inbox, self.out, self.warmup = faults, target, inbox, out, warmup
+        self.stream = new_stream(device)  # its own stream: overlaps a drafter sharing the GPU
+
+    def _features(self, batch: TrainBatch) -> torch.Tensor:
+        b = batch.to(self.device, non_blocking=True)
+        return self.target.features(b.input_ids, b.position_ids, b.doc_ids)  # [T, k*H]
+
+    def setup(self) -> None:
+        # One forward of the real shapes: lazy CUDA/library initialisation happens here, not in the first step.
+        self._features(self.warmup)
+        self.faults.check(self.name, "warmup", self.control.stop)
+
+    def loop(self) -> None:
+        n = 0
+        while True:
+            batch = self.get(self.inbox)
+            if batch is END_OF_DATA:
+                self.put(self.out, END_OF_DATA)
+                return
+            self.faults.check(self.name, "step", self.control.stop, n)
+            with self.clock.busy():
+                feats = self._features(batch)
+            self.put(self.out, FeatureItem(batch, feats, record_event(self.device)))
+            n += 1

@@ -1,0 +1,200 @@
+"""The threaded pipeline on CPU, real threads: replicas stay identical, 1 replica equals the single-device trainer,
+the result never depends on thread timing, resume is exact, and every failure stops the run with the worker named."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash_train.config import ConfigError, load_config
+from dflash_train.pipeline.coordinator import train_pipeline
+from dflash_train.pipeline.devices import cpu_threads_per_worker
+from dflash_train.pipeline.drafter_worker import RecompileGuard
+from dflash_train.pipeline.faults import ENV_VAR, parse_faults
+from dflash_train.pipeline.worker import THREAD_PREFIX
+from dflash_train.training.trainer import train_single_device
+
+METRICS = ("loss", "acc", "cond_acc", "tau_est", "lr")
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def cfg_for(target, out, targets=("cpu",), drafters=("cpu",), **over):
+    ov = [f"model.target={target}", f"run.out_dir={out}", f"pipeline.target_devices=[{','.join(targets)}]",
+          f"pipeline.drafter_devices=[{','.join(drafters)}]", "train.max_steps=12", "train.log_every=1"]
+    return load_config("tiny_cpu", ov + [f"{k}={v}" for k, v in over.items()])
+
+
+def pipeline_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+
+
+def weights(drafter_dir) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(drafter_dir) / "model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    wa, wb = weights(a), weights(b)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def test_two_replicas_stay_identical_every_step(tiny_llama, tmp_path):
+    res = train_pipeline(cfg_for(tiny_llama, tmp_path / "run", drafters=("cpu", "cpu"), **{"train.log_every": 4}))
+    assert res.steps == 12 and len(res.replica_checksums) == 12
+    for step, (c0, c1) in enumerate(res.replica_checksums, start=1):
+        assert c0 == c1, f"replicas differ after step {step}"
+    assert len(set(c[0] for c in res.replica_checksums)) == 12  # the weights do change every step
+    assert [h["step"] for h in res.history] == [4, 8, 12]
+    assert {"drafter_wait", "target_wait", "queues"} <= res.history[-1].keys()
+    log_text = (tmp_path / "run" / "run.log").read_text()
+    assert "step     12/12" in log_text and "drafter_wait" in log_text and "done: 12 steps" in log_text
+    assert (res.drafter_dir / "model.safetensors").is_file()
+    assert not pipeline_threads()
+
+
+def test_one_replica_equals_the_single_device_trainer_exactly(tiny_llama, tmp_path):
+    pipe = train_pipeline(cfg_for(tiny_llama, tmp_path / "pipe"))
+    # The pipeline splits the cores between its CPU workers; run the reference with the same intra-op threads.
+    old = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
+    try:
+        ref = train_single_device(cfg_for(tiny_llama, tmp_path / "ref"))
+    finally:
+        torch.set_num_threads(old)
+    assert len(pipe.history) == len(ref.history) == 12
+    for p, r in zip(pipe.history, ref.history):
+        assert {k: p[k] for k in METRICS} == {k: r[k] for k in METRICS}, p["step"]  # bit-exact, not approximate
+    assert_same_weights(pipe.drafter_dir, ref.drafter_dir)
+
+
+def test_result_does_not_depend_on_how_many_targets_race(tiny_llama, tmp_path):
+    # Two target workers finish out of order; the prefetcher restores the order, so nothing changes.
+    one = train_pipeline(cfg_for(tiny_llama, tmp_path / "one", drafters=("cpu", "cpu")))
+    two = train_pipeline(cfg_for(tiny_llama, tmp_path / "two", targets=("cpu", "cpu"), drafters=("cpu", "cpu"),
+                                 **{"pipeline.queue_depth": 1}))
+    assert one.replica_checksums == two.replica_checksums
+    assert [h["loss"] for h in one.history] == [h["loss"] for h in two.history]
+
+
+def test_resume_after_a_crash_is_exact(tiny_llama, tmp_path, monkeypatch):
+    straight = train_pipeline(cfg_for(tiny_llama, tmp_path / "straight", drafters=("cpu", "cpu")))
+    run = tmp_path / "crashed"
+    monkeypatch.setenv(ENV_VAR, "drafter1:step=7:raise")
+    with pytest.raises(RuntimeError, match="drafter1 failed"):
+        train_pipeline(cfg_for(tiny_llama, run, drafters=("cpu", "cpu"), **{"train.checkpoint_every": 5}))
+    monkeypatch.delenv(ENV_VAR)
+    resumed = train_pipeline(cfg_for(tiny_llama, run, drafters=("cpu", "cpu"), **{"run.resume": "auto"}))
+    assert "resuming from" in (run / "run.log").read_text()
+    assert resumed.replica_checksums == straight.replica_checksums[5:]  # steps 6..12, trained once more
+    assert_same_weights(resumed.drafter_dir, straight.drafter_dir)
+
+
+@pytest.mark.parametrize("fault, needle", [
+    ("drafter1:warmup:raise", "drafter1 failed during startup:\nTraceback"),
+    ("target0:step=3:raise", "target0 failed:\nTraceback"),
+    ("loader:step=2:raise", "loader failed:\nTraceback"),
+])
+def test_a_failing_worker_stops_the_run_and_is_named(fault, needle, tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, fault)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        train_pipeline(cfg_for(tiny_llama, tmp_path / "run", drafters=("cpu", "cpu"),
+                               **{"train.max_steps": 1000}))
+    assert time.monotonic() - t0 < 30
+    message = str(info.value)
+    assert message.startswith(needle), message
+    assert f"InjectedFault: injected fault {fault}" in message and "faults.py" in message
+    assert not pipeline_threads()
+    assert (tmp_path / "run" / "run.log").read_text().rstrip().endswith(f"InjectedFault: injected fault {fault}")
+
+
+def test_a_stalled_worker_is_reported_not_waited_on(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "drafter1:step=2:stall")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"drafter1 stalled: no progress for 1\.\d s") as info:
+        train_pipeline(cfg_for(tiny_llama, tmp_path / "run", drafters=("cpu", "cpu"),
+                               **{"train.max_steps": 1000, "pipeline.stall_timeout_s": 1.0}))
+    assert time.monotonic() - t0 < 30
+    assert "faults.py" in str(info.value)  # where the stuck thread was
+    assert not pipeline_threads()
+
+
+def test_recompile_guard_fails_loudly():
+    guard = RecompileGuard(enabled=True)
+    guard.arm()
+    guard.check("drafter0", 1)
+    torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    with pytest.raises(RuntimeError, match="drafter0: 1 frame.s. recompiled after warm-up"):
+        guard.check("drafter0", 2)
+
+
+def test_config_errors(tiny_llama, tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="must look like worker:warmup"):
+        parse_faults("drafter0:step=x:raise")
+    with pytest.raises(ConfigError, match="is not a device"):
+        train_pipeline(cfg_for(tiny_llama, tmp_path / "r", drafters=("gpu0",)))
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device is visible"):
+            train_pipeline(cfg_for(tiny_llama, tmp_path / "r", drafters=("cuda:0",)))
+
+
+def _cli(args, tmp_path, env_extra=None, **popen):
+    env = dict(os.environ, PYTHONPATH=SRC, **(env_extra or {}))
+    return subprocess.Popen([sys.executable, "-m", "dflash_train.cli", "train", "--config", "tiny_cpu", *args],
+                            env=env, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+def test_cli_trains_and_fails_with_the_worker_named(tiny_llama, tmp_path):
+    ok = _cli([f"model.target={tiny_llama}", f"run.out_dir={tmp_path}/ok", "train.max_steps=4"], tmp_path)
+    bad = _cli([f"model.target={tiny_llama}", f"run.out_dir={tmp_path}/bad", "train.max_steps=50"], tmp_path,
+               {ENV_VAR: "target0:step=1:raise"})
+    out, err = ok.communicate(timeout=120)
+    assert ok.returncode == 0, err
+    assert "drafter written to" in out
+    out, err = bad.communicate(timeout=120)
+    assert bad.returncode != 0
+    assert "target0 failed:" in err and "InjectedFault" in err.strip().splitlines()[-1]
+
+
+def test_sigterm_stops_cleanly_and_checkpoints(tiny_llama, tmp_path):
+    run = tmp_path / "run"
+    proc = _cli([f"model.target={tiny_llama}", f"run.out_dir={run}", "train.max_steps=100000",
+                 "train.log_every=1"], tmp_path)
+    for line in proc.stdout:  # wait until it trains
+        if "step      3/" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    state = torch.load(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+                       / "training_state.pt", weights_only=False)
+    assert state["step"] >= 3 and state["data_position"] == state["step"]
+    assert "SIGTERM: stopped after step" in (run / "run.log").read_text()
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] <= state["step"]
+
+
+def test_compiled_replicas_compile_once_each_and_never_again(tiny_llama, tmp_path, monkeypatch):
+    # Each replica has its own code object, so its own graph; both compile during warm-up, and the armed guard fails
+    # any step that recompiles. Inductor's C++ codegen takes 20-90 s on this CPU, so the step is compiled with the
+    # aot_eager backend: the same dynamo + AOT-autograd path per replica, in seconds. Inductor and CUDA graphs in
+    # worker threads are exercised on the GPU (benchmarks/gpu_pipeline_check.py).
+    from torch._dynamo.utils import counters
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="aot_eager", dynamic=False))
+    before = counters["stats"]["unique_graphs"]
+    res = train_pipeline(cfg_for(tiny_llama, tmp_path / "run", drafters=("cpu", "cpu"),
+                                 **{"train.compile": "default", "train.max_steps": 4}))
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert res.steps == 4 and all(c0 == c1 for c0, c1 in res.replica_checksums)
