@@ -64,45 +64,52 @@ class _Pipeline:
         self.cfg, self.n = cfg, len(drafter_devices)
         self.run_setup = build_run(cfg, batches_per_step=self.n)
         self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints)
-        init, state, self.start_step = self.run_setup.drafter, None, 0
-        if cfg.run.resume == "auto" and (found := self.ckpt.load_latest()) is not None:
-            init, state, path = found
-            self.start_step = state["step"]
-            set_rng_state(state["rng"])
-            log.info(f"resuming from {path} at step {self.start_step}")
-        start_batch = state["data_position"] if state else 0
-        layer_ids = init.config.target_layer_ids
-        targets = [load_target(cfg.model.target, layer_ids, device=d) for d in target_devices]
+        init, state = self._resume_point()
+        self.start_step = state["step"] if state else 0
+        targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d) for d in target_devices]
         self.control = RunControl()
-        depth = cfg.pipeline.queue_depth
-        batches, feats = queue.Queue(depth), queue.Queue(depth)
-        inboxes = [queue.Queue(1) for _ in drafter_devices]  # 1 on the device being trained + 1 waiting here
-        in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
         self.logger = MetricsLogger(self.run_setup.out_dir, self.run_setup.total_steps,
                                     cfg.train.token_budget * self.n, cfg.train.log_every, start_step=self.start_step)
         try:
-            self.guard = RecompileGuard(resolve_compile_mode(cfg.train.compile, drafter_devices[0]) != "eager")
-            gradsync = GradAverager(self.n)
-            c, fp = self.control, faults
-            self.drafters = [DrafterWorker(r, c, fp, d, self.run_setup, init, state, self.start_step,
-                                           targets[0].embed_tokens.weight, targets[0].lm_head.weight, inboxes[r],
-                                           gradsync, self.guard, self.logger.should_log)
-                             for r, d in enumerate(drafter_devices)]
-            warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
-            self.targets = [TargetWorker(i, c, fp, t, d, batches, feats, warm)
-                            for i, (t, d) in enumerate(zip(targets, target_devices))]
-            self.reporter = StepReporter(self.logger, self.ckpt, cfg.train.checkpoint_every, self.run_setup.total_steps,
-                                         self.n, batches, feats, self.targets, self.drafters)
-            self.drafters[0].reporter = self.reporter
-            self.prefetch = Prefetcher(c, feats, inboxes, drafter_devices, [w.stream for w in self.drafters],
-                                       len(targets), start_batch, in_flight)
-            uses_cuda = any(d.type == "cuda" for d in target_devices + drafter_devices)
-            self.loader = LoaderWorker(c, fp, self.run_setup.schedule, start_batch, batches, in_flight,
-                                       len(targets), pin_memory=uses_cuda)
-            self.workers: list[Worker] = [*self.drafters, *self.targets, self.prefetch, self.loader]
+            self._build_workers(targets, target_devices, drafter_devices, init, state, faults)
         except BaseException:
             self.logger.close()  # no thread has started yet: the open metrics file is all there is to close
             raise
+
+    def _resume_point(self):
+        """(initial CPU drafter, training state or None), from the latest checkpoint when run.resume=auto."""
+        if self.cfg.run.resume == "auto" and (found := self.ckpt.load_latest()) is not None:
+            drafter, state, path = found
+            set_rng_state(state["rng"])
+            log.info(f"resuming from {path} at step {state['step']}")
+            return drafter, state
+        return self.run_setup.drafter, None
+
+    def _build_workers(self, targets, target_devices, drafter_devices, init, state, faults) -> None:
+        cfg, c = self.cfg, self.control
+        start_batch = state["data_position"] if state else 0
+        depth = cfg.pipeline.queue_depth
+        batches, feats = queue.Queue(depth), queue.Queue(depth)  # TrainBatch (CPU) | FeatureItem (target device)
+        inboxes = [queue.Queue(1) for _ in drafter_devices]     # DrafterInput: 1 here + 1 being trained
+        in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
+        self.guard = RecompileGuard(resolve_compile_mode(cfg.train.compile, drafter_devices[0]) != "eager")
+        gradsync = GradAverager(self.n)
+        embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed
+        self.drafters = [DrafterWorker(r, c, faults, d, self.run_setup, init, state, self.start_step, embed_w, head_w,
+                                       inboxes[r], gradsync, self.guard, self.logger.should_log)
+                         for r, d in enumerate(drafter_devices)]
+        warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
+        self.targets = [TargetWorker(i, c, faults, t, d, batches, feats, warm)
+                        for i, (t, d) in enumerate(zip(targets, target_devices))]
+        self.reporter = StepReporter(self.logger, self.ckpt, cfg.train.checkpoint_every, self.run_setup.total_steps,
+                                     self.n, batches, feats, self.targets, self.drafters)
+        self.drafters[0].reporter = self.reporter
+        self.prefetch = Prefetcher(c, feats, inboxes, drafter_devices, [w.stream for w in self.drafters],
+                                   len(targets), start_batch, in_flight)
+        uses_cuda = any(d.type == "cuda" for d in target_devices + drafter_devices)
+        self.loader = LoaderWorker(c, faults, self.run_setup.schedule, start_batch, batches, in_flight, len(targets),
+                                   pin_memory=uses_cuda)
+        self.workers: list[Worker] = [*self.drafters, *self.targets, self.prefetch, self.loader]
 
     # ------------------------------------------------------------------ run
     def run(self) -> PipelineResult:

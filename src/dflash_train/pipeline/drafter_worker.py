@@ -87,14 +87,14 @@ class DrafterWorker(Worker):
     def _warm_up(self) -> None:
         """Compile (and on CUDA capture graphs) on a dummy batch of the real shapes, twice so that anything
         specialised on a second call happens here too. There is no optimizer step, so weights and optimizer state
-        are untouched and warm-up never changes training; the grads are dropped."""
+        are untouched and warm-up never changes training; the grads are zeroed."""
         cfg = self.run.cfg.train
         batch = dummy_batch(cfg.token_budget, cfg.num_anchors).to(self.device)
         feats = torch.zeros(cfg.token_budget, self.drafter.fc.in_features, device=self.device,
                             dtype=self.step_fn.dtype)  # [T, k*H]
         for _ in range(1 if self.step_fn.compile_mode == "eager" else 2):
             self.step_fn(batch, feats)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=False)  # in place: DrafterStep's .grad buffers are persistent
 
     def loop(self) -> None:
         clip = self.run.cfg.train.grad_clip
@@ -114,7 +114,7 @@ class DrafterWorker(Worker):
                     torch.nn.utils.clip_grad_norm_(self.params, clip)
                 self.optimizer.step()
                 self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=False)  # in place (see training/step.py)
             self.steps_done = step + 1
             self._pending_checksums.append(weights_checksum(self.params))
             self.guard.check(self.name, step + 1)

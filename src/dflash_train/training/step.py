@@ -8,6 +8,7 @@ replica gets a step function with its own code object (`_fresh_function`), i.e. 
 
 from __future__ import annotations
 
+import os
 import types
 
 import torch
@@ -17,7 +18,9 @@ from ..config import TrainConfig
 from ..models.drafter import DFlashDrafter
 from .objective import default_gamma, dflash_loss
 
-inductor_config.triton.cudagraph_trees = False
+# DFLASH_CUDAGRAPH_TREES=1 leaves them on, only to show that they fail in worker threads
+# (benchmarks/gpu_pipeline_check.py); never set it for training.
+inductor_config.triton.cudagraph_trees = os.environ.get("DFLASH_CUDAGRAPH_TREES") == "1"
 
 METRIC_KEYS = ("loss", "acc", "cond_acc", "tau_est", "num_labels")
 
