@@ -73,7 +73,17 @@ def stream_scope(device: torch.device, stream):
 def _cuda_scope(device, stream):
     with torch.cuda.device(device):
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            yield
+            # Worker streams do not order with the default stream: first wait for what the main thread queued
+            # there (loading weights), and on the way out finish everything queued here, so the main thread may
+            # read this worker's tensors (checkpoint, final weights) once the thread is done.
+            torch.cuda.current_stream(device).wait_stream(torch.cuda.default_stream(device))
+            try:
+                yield
+            finally:
+                try:
+                    torch.cuda.current_stream(device).synchronize()
+                except RuntimeError:  # a broken context: the worker's own error is the one to report
+                    pass
 
 
 def record_event(device: torch.device):
