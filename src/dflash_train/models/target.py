@@ -179,6 +179,23 @@ class TargetModel(nn.Module):
         self._taps.clear()
         return feats
 
+    @torch.no_grad()
+    def forward_with_cache(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           cache_kwargs: dict, logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole model (load with truncate=False) on [b, q] tokens with a caller-owned KV cache (inference).
+
+        attention_mask: 4D [b, 1, q, kv] bool, used as is; cache_kwargs: {name: cache} as the HF version spells it.
+        Returns logits [b, logits_to_keep, V] of the last positions and feats [b, q, k*H] of the tapped layers.
+        Same thread-safety caveat as features()."""
+        if len(self.hf.model.layers) != self.info.num_layers:
+            raise RuntimeError("forward_with_cache needs all layers: load the target with truncate=False")
+        self._taps.clear()
+        out = self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                      use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs)
+        feats = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        self._taps.clear()
+        return out.logits, feats
+
 
 def load_target(target: str | None, layer_ids: list[int] | None = None, num_feature_layers: int = 5,
                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,

@@ -1,0 +1,246 @@
+"""`dflash-train eval`: speculative decoding vs plain decoding on the same harness -> tau, speedup, lossless verdict.
+
+Both paths run on the same static-cache target runner (CUDA-graphed on GPU), one prompt at a time, after one
+untimed warm-up generation each; times run from prefill to the last token (prefill included, identical in both).
+tau: mean acceptance length over a prompt's verification steps, then the mean over prompts (DFLASH.md). Lossless
+(greedy only): the speculative tokens equal the plain greedy tokens for every prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..models.drafter import DFlashDrafter, DrafterConfig
+from ..models.target import TargetInfo, TargetModel
+from .baseline import target_generate
+from .drafter_runner import DrafterRunner
+from .speculative import speculative_generate
+from .target_runner import TargetRunner
+
+log = logging.getLogger("dflash_train")
+
+DEFAULT_NUM_PROMPTS = 16
+
+
+class ModelMismatchError(UserError):
+    """The drafter was trained for a different target than the one given."""
+
+
+def check_compatible(dcfg: DrafterConfig, info: TargetInfo, drafter_dir: str = "the drafter") -> None:
+    """One clear sentence per mismatch, checked on configs alone (before any weights are loaded)."""
+    fix = "pass the target it was trained for (--target) or a drafter trained for this target (--drafter)"
+    if dcfg.hidden_size != info.hidden_size:
+        raise ModelMismatchError(f"Drafter {drafter_dir} has hidden size {dcfg.hidden_size} but the target has "
+                                 f"{info.hidden_size}; {fix}.")
+    if dcfg.vocab_size != info.vocab_size:
+        raise ModelMismatchError(f"Drafter {drafter_dir} has vocabulary size {dcfg.vocab_size} but the target has "
+                                 f"{info.vocab_size}; {fix}.")
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < info.num_layers]
+    if bad:
+        raise ModelMismatchError(f"Drafter {drafter_dir} taps target layers {dcfg.target_layer_ids}, but layer(s) "
+                                 f"{bad} do not exist in this {info.num_layers}-layer target; {fix}.")
+    if dcfg.num_target_layers != info.num_layers:
+        raise ModelMismatchError(f"Drafter {drafter_dir} was trained on a {dcfg.num_target_layers}-layer target "
+                                 f"but this target has {info.num_layers} layers; {fix}.")
+    if not 0 <= dcfg.mask_token_id < info.vocab_size:
+        raise ModelMismatchError(f"Drafter {drafter_dir} uses mask token {dcfg.mask_token_id}, outside the "
+                                 f"target vocabulary 0..{info.vocab_size - 1}; {fix}.")
+
+
+@dataclass
+class PromptReport:
+    prompt_tokens: int
+    baseline: list[int]                  # generated tokens, plain decoding
+    speculative: list[int]               # generated tokens, speculative decoding
+    accept_lengths: list[int]            # tau per verification step
+    baseline_s: float
+    speculative_s: float
+    first_mismatch: int | None = None    # index of the first differing token (greedy), None if identical
+    mismatch_margin: float | None = None  # target's top-1 minus top-2 logit there: ~0 means a numerical tie
+
+    @property
+    def tau(self) -> float | None:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
+
+
+@dataclass
+class EvalReport:
+    block_size: int
+    temperature: float
+    max_new_tokens: int
+    device: str
+    graphs: bool
+    prompts: list[PromptReport] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ aggregates
+    @property
+    def steps(self) -> list[int]:
+        return [a for p in self.prompts for a in p.accept_lengths]
+
+    @property
+    def mean_tau(self) -> float | None:
+        taus = [p.tau for p in self.prompts if p.tau is not None]   # a prompt done at its first token has no step
+        return sum(taus) / len(taus) if taus else None
+
+    @property
+    def accept_histogram(self) -> list[int]:
+        """counts[t - 1] = number of steps with tau == t, t = 1..B."""
+        counts = [0] * self.block_size
+        for a in self.steps:
+            counts[a - 1] += 1
+        return counts
+
+    @property
+    def acceptance_by_position(self) -> list[float | None]:
+        """[k - 1] = fraction of steps whose draft token k (1..B-1) was accepted. 1 + sum = step-weighted tau."""
+        steps = self.steps
+        return [sum(a - 1 >= k for a in steps) / len(steps) if steps else None for k in range(1, self.block_size)]
+
+    @property
+    def conditional_acceptance(self) -> list[float | None]:
+        """[k - 1] = P(draft k accepted | drafts 1..k-1 accepted): comparable to training's cond_acc (acc@k)."""
+        steps, out = self.steps, []
+        for k in range(1, self.block_size):
+            reached = sum(a - 1 >= k - 1 for a in steps)
+            out.append(sum(a - 1 >= k for a in steps) / reached if reached else None)
+        return out
+
+    def _rate(self, attr_tokens: str, attr_s: str) -> tuple[float | None, float | None]:
+        """(tokens per second, milliseconds per token) over all prompts."""
+        tokens = sum(len(getattr(p, attr_tokens)) for p in self.prompts)
+        seconds = sum(getattr(p, attr_s) for p in self.prompts)
+        if not tokens or not seconds:
+            return None, None
+        return tokens / seconds, 1000 * seconds / tokens
+
+    @property
+    def lossless(self) -> bool | None:
+        """Greedy: every prompt's speculative output equals its plain output. Sampling: None (not comparable)."""
+        if self.temperature > 0:
+            return None
+        return all(p.first_mismatch is None for p in self.prompts)
+
+    def summary(self) -> dict:
+        base_tps, base_ms = self._rate("baseline", "baseline_s")
+        spec_tps, spec_ms = self._rate("speculative", "speculative_s")
+        return {
+            "num_prompts": len(self.prompts), "block_size": self.block_size, "temperature": self.temperature,
+            "max_new_tokens": self.max_new_tokens, "device": self.device, "cuda_graphs": self.graphs,
+            "mean_tau": self.mean_tau, "steps": len(self.steps),
+            "tau_step_weighted": sum(self.steps) / len(self.steps) if self.steps else None,
+            "accept_histogram": self.accept_histogram,
+            "acceptance_by_position": self.acceptance_by_position,
+            "conditional_acceptance": self.conditional_acceptance,
+            "baseline_tokens_per_s": base_tps, "speculative_tokens_per_s": spec_tps,
+            "baseline_ms_per_token": base_ms, "speculative_ms_per_token": spec_ms,
+            "speedup": base_ms / spec_ms if base_ms and spec_ms else None,
+            "lossless": self.lossless,
+            "identical_prompts": sum(p.first_mismatch is None for p in self.prompts),
+        }
+
+    def to_dict(self) -> dict:
+        return {"summary": self.summary(),
+                "prompts": [dict(asdict(p), tau=p.tau) for p in self.prompts]}
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+@torch.no_grad()
+def _top2_margin(target: TargetModel, ids: list[int]) -> float:
+    """The target's top-1 minus top-2 logit after `ids` (one eager forward): how close a divergence was to a tie."""
+    logits = target.hf(input_ids=torch.tensor([ids], device=target.device), logits_to_keep=1).logits[0, -1]
+    top = logits.float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], max_new_tokens: int,
+             temperature: float = 0.0, block_size: int | None = None, stop_ids=(), graphs: bool | None = None,
+             seed: int = 0, warmup: bool = True) -> EvalReport:
+    """Plain and speculative generation for every prompt on one harness -> EvalReport.
+
+    target: loaded with truncate=False and the drafter's layer ids. drafter: a DFlashDrafter (run on a private copy
+    in the target's dtype) or a ready DraftSource (e.g. a test double). stop_ids: eos ids (see stop_token_ids).
+    graphs: CUDA graphs, None = on for CUDA targets."""
+    if not prompts_token_ids:
+        raise ValueError("no prompts to evaluate")
+    B = block_size or drafter.config.block_size
+    max_len = max(len(p) for p in prompts_token_ids) + max_new_tokens + B
+    t_run = TargetRunner.for_target(target, max_len, step_lens=(1, B), graphs=graphs)
+    d_run = DrafterRunner(drafter, target, max_len, B, graphs) if isinstance(drafter, DFlashDrafter) else drafter
+    gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
+    report = EvalReport(B, temperature, max_new_tokens, str(target.device), t_run.graphs)
+    if warmup:  # first calls pay for allocator growth and kernel selection: keep them out of the timings
+        target_generate(t_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature, stop_ids, gen)
+        speculative_generate(t_run, d_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature,
+                             stop_ids, gen)
+    for i, prompt in enumerate(prompts_token_ids):
+        base = target_generate(t_run, prompt, max_new_tokens, temperature, stop_ids, gen)
+        spec = speculative_generate(t_run, d_run, prompt, max_new_tokens, temperature, stop_ids, gen)
+        rep = PromptReport(len(prompt), base.tokens, spec.tokens, spec.accept_lengths, base.seconds, spec.seconds)
+        if temperature <= 0:
+            rep.first_mismatch = _first_mismatch(base.tokens, spec.tokens)
+            if rep.first_mismatch is not None and rep.first_mismatch < len(base.tokens):
+                rep.mismatch_margin = _top2_margin(target, prompt + base.tokens[: rep.first_mismatch])
+        report.prompts.append(rep)
+        log.debug("prompt %d: %d tokens, tau %s, %.3fs plain / %.3fs speculative", i, len(spec.tokens),
+                  rep.tau, base.seconds, spec.seconds)
+    return report
+
+
+def run_eval_cli(args) -> int:
+    from ..models.checkpoint import load_drafter, load_drafter_config
+    from ..models.target import load_target, load_tokenizer, target_config_info
+    from ..training.trainer import resolve_device
+    from .prompts import (check_prompt_lengths, default_prompts, needs_tokenizer, read_prompt_file,
+                          tokenize_prompts)
+    from .report import format_summary, write_report
+
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1.")
+    if args.block_size is not None and args.block_size < 2:
+        raise UserError("--block-size must be at least 2 (the last token plus at least one drafted token).")
+    if args.temperature < 0:
+        raise UserError("--temperature must be 0 (greedy) or positive.")
+    dcfg = load_drafter_config(args.drafter)
+    info = target_config_info(args.target)
+    check_compatible(dcfg, info, args.drafter)
+    prompts = read_prompt_file(args.prompts) if args.prompts else None
+    tokenizer = load_tokenizer(args.target) if needs_tokenizer(prompts) else None
+    if prompts is None:
+        prompts = default_prompts(tokenizer, args.num_prompts or DEFAULT_NUM_PROMPTS)
+    prompts = prompts[: args.num_prompts] if args.num_prompts else prompts
+    prompt_ids = tokenize_prompts(prompts, tokenizer)
+    check_prompt_lengths(prompt_ids, args.max_new_tokens, info.max_position_embeddings, info.vocab_size)
+
+    device = resolve_device(args.device)
+    target = load_target(args.target, dcfg.target_layer_ids, device=device, truncate=False)
+    drafter = load_drafter(args.drafter, device)
+    report = evaluate(target, drafter, prompt_ids, args.max_new_tokens, args.temperature, args.block_size,
+                      stop_ids=stop_token_ids(target.hf, tokenizer))
+    out_dir = Path(args.out or "runs/eval")
+    write_report(report, out_dir)
+    print(format_summary(report))
+    print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.png'}")
+    return 0
+
+
+def stop_token_ids(hf, tokenizer=None) -> list[int]:
+    """eos ids from the generation config, the model config and the tokenizer (chat models often have several)."""
+    ids: set[int] = set()
+    for src in (getattr(hf, "generation_config", None), hf.config, tokenizer):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return sorted(ids)

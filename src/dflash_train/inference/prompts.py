@@ -1,0 +1,155 @@
+"""Evaluation prompts: a JSONL file, or held-out ShareGPT conversations by default -> token ids.
+
+One record per line, any of:
+  {"messages": [{"role": ..., "content": ...}, ...]}   OpenAI-style chat
+  {"conversations": [{"from": ..., "value": ...}, ...]}  ShareGPT-style chat
+  {"prompt": "text"}  or  "text"                          raw text, tokenized as is (with the tokenizer's BOS)
+  {"input_ids": [1, 2, 3]}                                already tokenized (needs no tokenizer)
+A chat prompt is every turn before the first assistant answer, rendered with the target's chat template and
+add_generation_prompt=True, so the model answers the first user turn (later turns are dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UserError
+
+log = logging.getLogger("dflash_train")
+
+FORMAT_HINT = ('write one JSON record per line: {"messages": [...]}, {"conversations": [...]}, {"prompt": "..."}, '
+               '"plain text" or {"input_ids": [...]}')
+
+# Used only when the held-out ShareGPT split cannot be loaded (package missing, data module unavailable).
+FALLBACK_PROMPTS = [
+    "Explain how a hash table works and when you would not use one.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a short docstring.",
+    "What are the main causes of inflation? Answer in three bullet points.",
+    "Summarise the plot of Romeo and Juliet in one paragraph.",
+    "Give me a step-by-step recipe for a simple tomato pasta sauce.",
+    "What is the difference between TCP and UDP?",
+    "Translate to French: 'The weather is lovely today, let us go for a walk.'",
+    "List five tips for writing clear technical documentation.",
+]
+
+
+class PromptError(UserError):
+    """The prompts the user gave cannot be used; the message names the file, the line and the fix."""
+
+
+@dataclass
+class Prompt:
+    kind: str        # "messages" | "text" | "ids"
+    value: object    # list[dict] | str | list[int]
+
+
+def read_prompt_file(path: str | Path) -> list[Prompt]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise PromptError(f"Prompt file {str(p)!r} does not exist; {FORMAT_HINT}.")
+    prompts = []
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptError(f"{where} is not valid JSON ({e.msg}); {FORMAT_HINT}.") from None
+            prompts.append(parse_record(record, where))
+    if not prompts:
+        raise PromptError(f"Prompt file {str(p)!r} has no prompts; {FORMAT_HINT}.")
+    return prompts
+
+
+def parse_record(record, where: str) -> Prompt:
+    if isinstance(record, str):
+        return Prompt("text", record)
+    if isinstance(record, dict):
+        turns = record.get("messages", record.get("conversations"))
+        if isinstance(turns, list):
+            return Prompt("messages", chat_prompt(turns, where))
+        if isinstance(record.get("prompt"), str):
+            return Prompt("text", record["prompt"])
+        ids = record.get("input_ids")
+        if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return Prompt("ids", ids)
+    raise PromptError(f"{where} is not a prompt record; {FORMAT_HINT}.")
+
+
+def chat_prompt(turns: list, where: str) -> list[dict]:
+    """Chat turns (either naming style) -> the messages before the first assistant answer."""
+    from ..data.sources import ROLES
+
+    messages: list[dict] = []
+    for i, turn in enumerate(turns):
+        role = ROLES.get(str(turn.get("role", turn.get("from", ""))).strip().lower()) if isinstance(turn, dict) \
+            else None
+        content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
+        if role is None or not isinstance(content, str):
+            raise PromptError(f"{where}: turn {i} needs a role (system/user/assistant) and string content.")
+        if role == "assistant" and any(m["role"] == "user" for m in messages):
+            break
+        messages.append({"role": role, "content": content})
+    if not any(m["role"] == "user" for m in messages):
+        raise PromptError(f"{where} has no user turn before the first assistant answer; nothing to answer.")
+    return messages
+
+
+def default_prompts(tokenizer, n: int, seed: int = 0) -> list[Prompt]:
+    """The held-out split of the bundled ShareGPT data (the same split training holds out with the same seed);
+    a few built-in chat prompts if that split cannot be loaded."""
+    try:
+        from ..config import DataConfig
+        from ..data.dataset import load_dataset
+
+        # max_samples=1: reading stops as soon as the held-out side is full; the train side is not needed.
+        split = load_dataset(DataConfig(source="sharegpt", max_samples=1, heldout_max=n), tokenizer, seed=seed,
+                             cache_dir="")
+        prompts = [Prompt("messages", chat_prompt(m, f"held-out conversation {i}"))
+                   for i, m in enumerate(split.heldout_messages)]
+        if prompts:
+            return prompts[:n]
+        reason = "the held-out split is empty"
+    except (ImportError, UserError, ValueError) as e:  # DataError is a ValueError
+        reason = f"{type(e).__name__}: {e}"
+    log.warning("held-out ShareGPT prompts unavailable (%s); using %d built-in prompts", reason,
+                min(n, len(FALLBACK_PROMPTS)))
+    return [Prompt("messages", [{"role": "user", "content": t}]) for t in FALLBACK_PROMPTS[:n]]
+
+
+def needs_tokenizer(prompts: list[Prompt] | None) -> bool:
+    return prompts is None or any(p.kind != "ids" for p in prompts)
+
+
+def tokenize_prompts(prompts: list[Prompt], tokenizer) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        if p.kind == "ids":
+            out.append(list(p.value))
+        elif p.kind == "text":
+            out.append(list(tokenizer(p.value)["input_ids"]))
+        else:
+            if not getattr(tokenizer, "chat_template", None):
+                raise PromptError("The target's tokenizer has no chat template, so chat prompts cannot be rendered; "
+                                  'use {"prompt": "..."} records instead.')
+            text = tokenizer.apply_chat_template(p.value, tokenize=False, add_generation_prompt=True)
+            out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def check_prompt_lengths(prompt_ids: list[list[int]], max_new_tokens: int, context: int, vocab_size: int) -> None:
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise PromptError(f"Prompt {i} is empty after tokenization; remove it from the prompt file.")
+        if len(ids) + max_new_tokens > context:
+            raise PromptError(f"Prompt {i} has {len(ids)} tokens, and with --max-new-tokens {max_new_tokens} it "
+                              f"exceeds the target's context of {context} tokens; shorten it or lower "
+                              "--max-new-tokens.")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise PromptError(f"Prompt {i} has token id {bad[0]} outside the target vocabulary 0..{vocab_size - 1}.")

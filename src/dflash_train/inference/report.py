@@ -1,0 +1,76 @@
+"""Write an EvalReport: eval.json (summary + per prompt), eval.png (tau histogram + per-position acceptance), and
+the one console table."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+def write_report(report, out_dir: str | Path) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(report.to_dict(), indent=2, allow_nan=False,
+                                              default=_json_default) + "\n")
+    plot_report(report, out / "eval.png")
+
+
+def _json_default(x):
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def plot_report(report, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    s = report.summary()
+    B = report.block_size
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.bar(range(1, B + 1), s["accept_histogram"], color="tab:blue")
+    ax1.set_xlabel("acceptance length tau (accepted drafts + 1)")
+    ax1.set_ylabel("verification steps")
+    tau = s["mean_tau"]
+    ax1.set_title(f"tau per step (mean over prompts {tau:.2f})" if tau is not None else "tau per step")
+    ax1.set_xticks(range(1, B + 1))
+    ks = list(range(1, B))
+    for key, label, style in (("acceptance_by_position", "P(draft k accepted)", "o-"),
+                              ("conditional_acceptance", "P(k accepted | 1..k-1 accepted)", "s--")):
+        ax2.plot(ks, [math.nan if v is None else v for v in s[key]], style, label=label)
+    ax2.set_xlabel("draft position k")
+    ax2.set_ylabel("rate")
+    ax2.set_ylim(0, 1.02)
+    ax2.set_xticks(ks)
+    ax2.legend()
+    ax2.set_title(f"B={B}, T={report.temperature:g}, {s['num_prompts']} prompts")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def format_summary(report) -> str:
+    s = report.summary()
+    if s["lossless"] is None:
+        verdict = "n/a (sampling; distribution-preserving rule)"
+    else:
+        verdict = f"{'yes' if s['lossless'] else 'NO'} ({s['identical_prompts']}/{s['num_prompts']} identical)"
+    rows = [
+        ("", "plain", "speculative"),
+        ("tokens", str(sum(len(p.baseline) for p in report.prompts)),
+         str(sum(len(p.speculative) for p in report.prompts))),
+        ("tokens/s", _fmt(s["baseline_tokens_per_s"], ".1f"), _fmt(s["speculative_tokens_per_s"], ".1f")),
+        ("ms/token", _fmt(s["baseline_ms_per_token"], ".3f"), _fmt(s["speculative_ms_per_token"], ".3f")),
+        ("speedup", "", _fmt(s["speedup"], ".2f") + "x"),
+        (f"mean tau (B={s['block_size']})", "", _fmt(s["mean_tau"], ".2f")),
+        ("lossless", "", verdict),
+    ]
+    w0 = max(len(r[0]) for r in rows)
+    head = (f"eval: {s['num_prompts']} prompts, max {s['max_new_tokens']} new tokens, T={s['temperature']:g}, "
+            f"{s['device']}, cuda graphs {'on' if s['cuda_graphs'] else 'off'}")
+    return "\n".join([head] + [f"  {a:<{w0}}  {b:>12}  {c}" for a, b, c in rows])
