@@ -55,6 +55,7 @@ def test_two_replicas_stay_identical_every_step(tiny_llama, tmp_path):
     for step, (c0, c1) in enumerate(res.replica_checksums, start=1):
         assert c0 == c1, f"replicas differ after step {step}"
     assert len(set(c[0] for c in res.replica_checksums)) == 12  # the weights do change every step
+    assert res.replica_batches == [list(range(0, 24, 2)), list(range(1, 24, 2))]  # each batch once, i -> i % 2
     assert [h["step"] for h in res.history] == [4, 8, 12]
     assert {"drafter_wait", "target_wait", "queues"} <= res.history[-1].keys()
     log_text = (tmp_path / "run" / "run.log").read_text()
@@ -84,6 +85,7 @@ def test_result_does_not_depend_on_how_many_targets_race(tiny_llama, tmp_path):
     two = train_pipeline(cfg_for(tiny_llama, tmp_path / "two", targets=("cpu", "cpu"), drafters=("cpu", "cpu"),
                                  **{"pipeline.queue_depth": 1}))
     assert one.replica_checksums == two.replica_checksums
+    assert one.replica_batches == two.replica_batches
     assert [h["loss"] for h in one.history] == [h["loss"] for h in two.history]
 
 

@@ -49,6 +49,7 @@ SUPERVISE_POLL_S = 0.1
 class PipelineResult(TrainResult):
     replica_checksums: list[list[float]] = field(default_factory=list)  # [step][replica], equal within a step
     stage_fractions: dict = field(default_factory=dict)                 # wait/busy fractions over the run
+    replica_batches: list[list[int]] = field(default_factory=list)      # [replica][step]: batch index trained
 
 
 def train_pipeline(cfg: Config) -> PipelineResult:
@@ -136,7 +137,7 @@ class _Pipeline:
         log.info(f"done: {d0.steps_done} steps on {self.n} replica(s); servable drafter in {final}")
         checksums = [list(c) for c in zip(*(d.checksums for d in self.drafters))]
         return PipelineResult(self.run_setup.out_dir, final, d0.steps_done, self.logger.history, checksums,
-                              self.reporter.run_fractions())
+                              self.reporter.run_fractions(), [d.batch_indices for d in self.drafters])
 
     def _start_and_supervise(self) -> None:
         for d in self.drafters:  # one at a time: each compiles and captures alone

@@ -66,6 +66,7 @@ class DrafterWorker(Worker):
         self.stream = new_stream(device)  # the prefetcher makes batches wait-able on this stream
         self.steps_done = start_step
         self.checksums: list[float] = []  # one per step trained by this replica
+        self.batch_indices: list[int] = []  # the data positions it trained on, in order
         self._pending_checksums: list[torch.Tensor] = []
 
     def setup(self) -> None:
@@ -104,6 +105,7 @@ class DrafterWorker(Worker):
                 raise RuntimeError(f"the data ended after {step} steps, before step {self.run.total_steps}")
             self.faults.check(self.name, "step", self.control.stop, step)
             wait_event(item.ready, self.device)  # the prefetcher's copies are done
+            self.batch_indices.append(item.batch.index)
             with self.clock.busy():
                 metrics = self.step_fn(item.batch, item.feats)
             del item  # the batch's device memory can be reused as soon as the step's kernels are done
