@@ -33,10 +33,10 @@ from ..training.trainer import TrainResult
 from .devices import cpu_threads_per_worker, resolve_pipeline_devices
 from .drafter_worker import DrafterWorker, RecompileGuard
 from .faults import FaultPlan
+from .gradsync import GradAverager
 from .loader import LoaderWorker, dummy_batch
 from .prefetch import Prefetcher
 from .reporter import StepReporter
-from .gradsync import GradAverager
 from .target_worker import TargetWorker
 from .worker import RunControl, Worker
 
