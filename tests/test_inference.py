@@ -16,7 +16,7 @@ from conftest import make_tiny_target
 from dflash_train.cli import main
 from dflash_train.config import ModelConfig
 from dflash_train.inference.baseline import generate_batch, target_generate
-from dflash_train.inference.benchmark import evaluate
+from dflash_train.inference.benchmark import ModelMismatchError, evaluate
 from dflash_train.inference.drafter_runner import DrafterRunner
 from dflash_train.inference.speculative import accept_sampled, speculative_generate
 from dflash_train.inference.target_runner import TargetRunner
@@ -322,21 +322,32 @@ def test_evaluate_api_with_oracle(tiny_llama):
     assert s["acceptance_by_position"] == [1.0, 1.0, 1.0] and s["conditional_acceptance"] == [1.0, 1.0, 1.0]
 
 
+def test_evaluate_rejects_truncated_target_and_other_taps(tiny_llama):
+    drafter = make_drafter(tiny_llama, 4)
+    with pytest.raises(ValueError, match="truncate=False"):
+        evaluate(load_target(tiny_llama, LAYERS, truncate=True), drafter, [[1, 2]], 4)
+    with pytest.raises(ModelMismatchError, match="reads target layers"):
+        evaluate(load_target(tiny_llama, [0, 3], truncate=False), drafter, [[1, 2]], 4)
+
+
 # ------------------------------------------------------------------------------------------ real SmolLM2
 
 @pytest.mark.slow
-def test_eval_on_smollm2_random_drafter_is_lossless(tmp_path, capsys):
-    from dflash_train.models.target import load_tokenizer
+def test_eval_on_smollm2_random_drafter_is_lossless():
+    """The real embedded SmolLM2 (GGUF) with a random drafter: chat-template prompts, greedy, lossless. The CLI
+    path is covered on the tiny target; here each GGUF parse costs seconds, so the target is read once."""
+    from dflash_train.inference.benchmark import stop_token_ids
+    from dflash_train.inference.prompts import Prompt, tokenize_prompts
+    from dflash_train.models.target import default_layer_ids, load_tokenizer
 
-    tok = load_tokenizer(None)
+    t = load_target(None, default_layer_ids(30, 5), truncate=False)
     torch.manual_seed(0)
-    drafter = build_drafter(ModelConfig(block_size=8, num_draft_layers=1), target_config_info(None), tok)
-    d = save_drafter(drafter, tmp_path / "drafter")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 2 + 2?"}]}) + "\n"
-                       + json.dumps({"prompt": "The capital of France is"}) + "\n")
-    rc = main(["eval", "--drafter", str(d), "--prompts", str(prompts), "--max-new-tokens", "24", "--device", "cpu",
-               "--out", str(tmp_path / "out")])
-    assert rc == 0
-    s = json.loads((tmp_path / "out" / "eval.json").read_text())["summary"]
-    assert s["lossless"] is True and s["num_prompts"] == 2
+    drafter = build_drafter(ModelConfig(target_layer_ids=t.layer_ids, block_size=4, num_draft_layers=1,
+                                        mask_token_id=t.info.vocab_size - 1), t.info)
+    tok = load_tokenizer(None)
+    prompts = tokenize_prompts([Prompt("messages", [{"role": "user", "content": "What is 2 + 2?"}]),
+                                Prompt("text", "The capital of France is")], tok)
+    assert prompts[0][-3:] == tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"][-3:]
+    rep = evaluate(t, drafter, prompts, 12, stop_ids=stop_token_ids(t.hf, tok))
+    s = rep.summary()
+    assert s["lossless"] is True and s["num_prompts"] == 2 and s["steps"] > 0

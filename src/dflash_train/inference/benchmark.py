@@ -173,6 +173,11 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
     graphs: CUDA graphs, None = on for CUDA targets."""
     if not prompts_token_ids:
         raise ValueError("no prompts to evaluate")
+    if len(target.hf.model.layers) != target.info.num_layers:
+        raise ValueError("evaluate needs the whole target (its logits): load it with load_target(..., truncate=False)")
+    if isinstance(drafter, DFlashDrafter) and list(drafter.config.target_layer_ids) != target.layer_ids:
+        raise ModelMismatchError(f"The drafter reads target layers {drafter.config.target_layer_ids} but the target "
+                                 f"taps {target.layer_ids}; load the target with the drafter's target_layer_ids.")
     B = block_size or drafter.config.block_size
     max_len = max(len(p) for p in prompts_token_ids) + max_new_tokens + B
     t_run = TargetRunner.for_target(target, max_len, step_lens=(1, B), graphs=graphs)

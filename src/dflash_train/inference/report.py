@@ -11,13 +11,16 @@ from pathlib import Path
 def write_report(report, out_dir: str | Path) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(report.to_dict(), indent=2, allow_nan=False,
-                                              default=_json_default) + "\n")
+    (out / "eval.json").write_text(report_json(report))
     plot_report(report, out / "eval.png")
 
 
-def _json_default(x):
-    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+def report_json(report) -> str:
+    """The summary indented; one line per prompt (its token lists would otherwise take one line per token)."""
+    d = report.to_dict()
+    summary = json.dumps(d["summary"], indent=2, allow_nan=False).replace("\n", "\n  ")
+    prompts = ",\n    ".join(json.dumps(p, allow_nan=False) for p in d["prompts"])
+    return f'{{\n  "summary": {summary},\n  "prompts": [\n    {prompts}\n  ]\n}}\n'
 
 
 def plot_report(report, path: Path) -> None:
