@@ -7,10 +7,15 @@ block, never another document. Cross-entropy at position k weighs exp(-(k-1)/gam
 
 Everything here has fixed shapes given (T = token_budget, A = num_anchors, B = block_size), so a compiled step
 never recompiles, and nothing calls .item(): metrics stay on the device until the log step reads them.
+
+Fast paths (each pinned by a simple reference in tests/test_objective_fast.py): the flex BlockMask is built at tile
+granularity from per-tile bounds (never the [A*B, T+A*B] element mask), and the frozen LM head's cross-entropy is
+fused and chunked (`_FusedLinearCE`: the gradient w.r.t. the hidden states is formed while each chunk's logits exist).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -94,49 +99,215 @@ def sdpa_attend(mask: torch.Tensor) -> AttendFn:
     return attend
 
 
-def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int):
-    """The same mask as `dense_block_mask`, as a flex-attention BlockMask (sparse: skips invisible tiles)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_TILE = 128  # flex-attention sparse tile (queries x keys): the kernels' default block size
 
+
+@dataclass
+class FlexMask:
+    """The DFlash mask of one row for flex attention, as plain tensors.
+
+    A BlockMask carries a Python `mask_mod` closure; a compiled function taking one as input would guard on (and
+    recompile for) every new closure. Taking these tensors instead, the compiled attention builds its BlockMask
+    inside the graph, and the step has no host syncs and fixed shapes (Qt = ceil(A*B/tile), KVt = ceil((T+A*B)/tile)).
+    mask_mod reads only `anchors` and `doc_ids`, the step's own inputs: inductor's CPU flex template (torch 2.13)
+    rejects captured tensors that are computed inside the graph.
+    """
+    anchors: torch.Tensor      # [A] anchor position of each block
+    doc_ids: torch.Tensor      # [T] document of each context token
+    kv_num: torch.Tensor       # [Qt] int32: partial (masked) key tiles per query tile
+    kv_idx: torch.Tensor       # [Qt, KVt] int32: their indices first, ascending
+    full_num: torch.Tensor     # [Qt] int32: fully visible key tiles (no mask_mod needed)
+    full_idx: torch.Tensor     # [Qt, KVt] int32
+    block_size: int
+    tile: int = FLEX_TILE
+
+    def block_mask(self):
+        """-> torch BlockMask (traceable: built inside the compiled region from the tensors above)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        anchors, doc_ids = self.anchors, self.doc_ids
+        A, T, B = anchors.shape[0], doc_ids.shape[0], self.block_size
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            anchor = anchors[(q_idx // B).clamp(max=A - 1)]
+            # keys [0, T) are context, [T, T + A*B) block tokens
+            ctx = (kv_idx < anchor) & (doc_ids[kv_idx.clamp(max=T - 1)] == doc_ids[anchor])
+            own = (kv_idx >= T) & ((kv_idx - T) // B == q_idx // B)
+            return ctx | own
+
+        return BlockMask.from_kv_blocks(self.kv_num[None, None], self.kv_idx[None, None], self.full_num[None, None],
+                                        self.full_idx[None, None], BLOCK_SIZE=self.tile, mask_mod=mask_mod,
+                                        seq_lengths=(A * B, T + A * B))
+
+
+def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [Qt, KVt] -> (count [Qt], indices [Qt, KVt]) int32, the set tiles first in ascending order."""
+    t = tiles.to(torch.int32)
+    return t.sum(-1, dtype=torch.int32), torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, tile: int = FLEX_TILE) -> FlexMask:
+    """The same mask as `dense_block_mask`, at tile granularity for flex attention (invisible tiles are skipped).
+
+    Built from per-tile bounds, never from the [A*B, T+A*B] element mask: O(A*T + tiles^2) work in ~20 small kernels
+    with static shapes. Query q (block q // B, anchor a) sees keys [first(doc a), a) of its document and its own B
+    block keys. A key tile is
+      full     when every query of the query tile shares one document, the whole key tile lies in it and ends at
+               or before the tile's smallest anchor;
+      partial  (mask_mod applied per element) when it overlaps [min first(doc), max anchor) or the tile's block keys.
+    """
     A, T, B = anchors.shape[0], doc_ids.shape[0], block_size
-    # Block keys get document id -2 so the context test is false for them without an index past T.
-    kv_doc = torch.cat([doc_ids, torch.full((A * B,), -2, dtype=doc_ids.dtype, device=doc_ids.device)])
-    q_anchor = anchors.repeat_interleave(B)   # [N]
-    q_doc = doc_ids[anchors].repeat_interleave(B)
+    N, dev = A * B, anchors.device
+    q_tiles, kv_tiles = -(-N // tile), -(-(T + N) // tile)
+    pos = torch.arange(T, device=dev)
+    anchor_doc = doc_ids[anchors]                                                      # [A]
+    doc_first = torch.where(doc_ids[None, :] == anchor_doc[:, None], pos[None, :], T).amin(1)   # [A]
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        ctx = (kv_idx < q_anchor[q_idx]) & (kv_doc[kv_idx] == q_doc[q_idx])
-        own = (kv_idx >= T) & ((kv_idx - T) // B == q_idx // B)
-        return ctx | own
+    # Per query, padded to whole tiles by repeating the last query (min / max over a tile unchanged).
+    q_blk = (torch.arange(q_tiles * tile, device=dev).clamp(max=N - 1) // B).view(q_tiles, tile)  # [Qt, tile]
+    q_anchor, q_doc = anchors[q_blk], anchor_doc[q_blk]
+    ctx_lo, ctx_hi = doc_first[q_blk].amin(1), q_anchor.amax(1)                      # [Qt]: context keys [lo, hi)
+    anchor_min = q_anchor.amin(1)
+    q_doc_min, q_one_doc = q_doc.amin(1), q_doc.amin(1) == q_doc.amax(1)
+    own_lo, own_hi = T + q_blk[:, 0] * B, T + (q_blk[:, -1] + 1) * B                 # [Qt]: block keys [lo, hi)
 
-    return create_block_mask(mask_mod, None, None, A * B, T + A * B, device=anchors.device)
+    kv_doc = torch.cat([doc_ids, doc_ids.new_full((kv_tiles * tile - T,), -2)])       # [KVt*tile]
+    k_doc = kv_doc.view(kv_tiles, tile)
+    k0 = torch.arange(kv_tiles, device=dev) * tile                                    # [KVt] first key of a tile
+    k1 = (k0 + tile).clamp(max=T + N)                                                 # one past its last key
+    k_one_doc = k_doc.amin(1) == k_doc.amax(1)
+
+    full = (q_one_doc[:, None] & k_one_doc[None, :] & (k_doc[:, 0][None, :] == q_doc_min[:, None])
+            & (k1[None, :] <= anchor_min[:, None]))                                   # [Qt, KVt]
+    ctx = (k0[None, :] < ctx_hi[:, None]) & (k1[None, :] > ctx_lo[:, None])
+    own = (k0[None, :] < own_hi[:, None]) & (k1[None, :] > own_lo[:, None])
+    partial = (ctx | own) & ~full
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return FlexMask(anchors, doc_ids, kv_num, kv_idx, full_num, full_idx, B, tile)
 
 
-def flex_attend(block_mask) -> AttendFn:
+def _flex_block_attention(q, k, v, anchors, doc_ids, kv_num, kv_idx, full_num, full_idx, block_size: int, tile: int):
     from torch.nn.attention.flex_attention import flex_attention
 
+    mask = FlexMask(anchors, doc_ids, kv_num, kv_idx, full_num, full_idx, block_size, tile)
+    # q/k/v arrive as [1, heads, L, d] views of [L, heads, d]; dense [1, heads, L, d] is the kernels' native layout
+    # (inductor's CPU template rejects the views; compiled, the copy fuses into the RoPE kernel that writes them).
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return flex_attention(q, k, v, block_mask=mask.block_mask(), enable_gqa=True)
+
+
+_compiled_flex = None
+_compiled_flex_lock = threading.Lock()
+
+
+def _flex_impl(device: torch.device):
+    """Un-compiled flex attention is a slow dense reference: outside a compiled step, CUDA calls go through
+    a compiled copy (one per process; recompiles only for new shapes). Inside a compiled step dynamo inlines it."""
+    global _compiled_flex
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return _flex_block_attention
+    with _compiled_flex_lock:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(_flex_block_attention, dynamic=False, fullgraph=True)
+    return _compiled_flex
+
+
+def flex_attend(mask: FlexMask) -> AttendFn:
     def attend(q, k, v):
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        return _flex_impl(q.device)(q, k, v, mask.anchors, mask.doc_ids, mask.kv_num, mask.kv_idx, mask.full_num,
+                                    mask.full_idx, mask.block_size, mask.tile)
     return attend
 
 
 # ------------------------------------------------------------------------------------------------ loss
 
+def _even_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
+    """[start, end) row ranges of at most `chunk` rows, as equal as possible (one kernel shape when compiled)."""
+    if chunk <= 0 or n <= chunk:
+        return [(0, n)]
+    size = -(-n // -(-n // chunk))
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """bf16 / fp16 -> fp32 for the softmax; fp32 and fp64 stay as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _ce_chunk(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, with_grad: bool):
+    """h [c, H] (head_w's dtype), head_w [V, H], labels [c] -> ce [c] (>= fp32), argmax [c], and when `with_grad`
+    d ce / d h = (softmax - onehot) @ head_w [c, H], computed while the logits exist (they are never recomputed)."""
+    logits = _upcast(h @ head_w.t())                                        # [c, V]: the chunk's only big tensor
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, labels[:, None])[:, 0]
+    pred = logits.argmax(-1)
+    if not with_grad:
+        return ce, pred, None
+    if torch.compiler.is_compiling():
+        # Pure pointwise: inductor fuses upcast, softmax, - onehot and the cast into one pass over the logits.
+        cols = torch.arange(logits.shape[1], device=logits.device)
+        p = torch.exp(logits - lse[:, None]) - (cols[None, :] == labels[:, None]).to(logits.dtype)
+    else:
+        # Eager: in place, so no second [c, V] fp32 buffer.
+        p = logits.sub_(lse[:, None]).exp_()
+        p.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
+    return ce, pred, p.to(head_w.dtype) @ head_w                            # d ce / d h: [c, H]
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """Per-row CE of h @ head_w^T for a frozen head_w, chunked over rows.
+
+    The gradient w.r.t. h is linear in the upstream gradient of each row's CE, so the forward pass stores
+    G = dce/dh [n, H] (small) and backward returns grad_ce[:, None] * G: the LM head costs one matmul forward and
+    one backward, where checkpointed chunks cost two forward (recompute) and one backward, and never more than
+    one chunk of logits ([chunk, V]) is alive."""
+
+    @staticmethod
+    def forward(ctx, h, head_w, labels, chunk):
+        hc = h.to(head_w.dtype)
+        ces, preds, grads = [], [], []
+        for s, e in _even_chunks(h.shape[0], chunk):
+            ce, pred, g = _ce_chunk(hc[s:e], head_w, labels[s:e], with_grad=True)
+            ces.append(ce)
+            preds.append(pred)
+            grads.append(g)
+        ctx.save_for_backward(torch.cat(grads))
+        ctx.h_dtype = h.dtype
+        pred = torch.cat(preds)
+        ctx.mark_non_differentiable(pred)
+        return torch.cat(ces), pred
+
+    @staticmethod
+    def backward(ctx, grad_ce, _grad_pred):
+        (g,) = ctx.saved_tensors
+        return (grad_ce[:, None] * g).to(ctx.h_dtype), None, None, None
+
+
 def _chunk_logits_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor):
-    """h [n, H], head_w [V, H], labels [n] -> ce [n] fp32, argmax [n]."""
+    """h [n, H], head_w [V, H], labels [n] -> ce [n] fp32, argmax [n] (plain autograd; for a trainable head)."""
     logits = (h @ head_w.t()).float()
     return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
 
 
 def blockwise_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, chunk: int):
-    """CE and greedy predictions over rows of h in chunks; each chunk's logits are recomputed in backward
-    (activation checkpointing), so at most `chunk` x V logits are alive at once."""
-    n = h.shape[0]
-    if chunk <= 0 or n <= chunk:
+    """h [n, H], head_w [V, H], labels [n] -> CE [n] fp32 and greedy predictions [n], in chunks of <= `chunk`
+    rows (0 = one chunk) so that at most chunk x V logits are alive at once.
+
+    Frozen head (training): `_FusedLinearCE`. No grad needed (eval): plain chunks. Trainable head: each chunk
+    checkpointed (recomputed in backward)."""
+    ranges = _even_chunks(h.shape[0], chunk)
+    if not torch.is_grad_enabled() or not (h.requires_grad or head_w.requires_grad):
+        hc = h.to(head_w.dtype)
+        outs = [_ce_chunk(hc[s:e], head_w, labels[s:e], with_grad=False)[:2] for s, e in ranges]
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    if not head_w.requires_grad:
+        return _FusedLinearCE.apply(h, head_w, labels, chunk)
+    if len(ranges) == 1:
         return _chunk_logits_ce(h, head_w, labels)
     ces, preds = [], []
-    for s in range(0, n, chunk):
-        ce, pred = checkpoint(_chunk_logits_ce, h[s:s + chunk], head_w, labels[s:s + chunk], use_reentrant=False)
+    for s, e in ranges:
+        ce, pred = checkpoint(_chunk_logits_ce, h[s:e], head_w, labels[s:e], use_reentrant=False)
         ces.append(ce)
         preds.append(pred)
     return torch.cat(ces), torch.cat(preds)

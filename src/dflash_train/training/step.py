@@ -2,25 +2,23 @@
 
 CUDAGraph Trees keep thread-local state that plain `threading.Thread` workers never get, so importing this module
 turns them off (before any compile): `reduce-overhead` then falls back to per-function CUDA graphs, which work in
-any thread. Those graphs remember the parameter addresses of the first module they were captured with, so every
+any thread (training/cudagraphs.py also turns off AOTAutograd's donated buffers, without which those graphs
+computed wrong gradients on torch 2.11). Those graphs remember the parameter addresses of the first module they were captured with, so every
 replica gets a step function with its own code object (`_fresh_function`), i.e. its own compile cache and graph.
 """
 
 from __future__ import annotations
 
-import os
 import types
 
 import torch
-import torch._inductor.config as inductor_config
 
 from ..config import TrainConfig
 from ..models.drafter import DFlashDrafter
+from .cudagraphs import configure_cudagraphs
 from .objective import default_gamma, dflash_loss
 
-# DFLASH_CUDAGRAPH_TREES=1 leaves them on, only to show that they fail in worker threads
-# (benchmarks/gpu_pipeline_check.py); never set it for training.
-inductor_config.triton.cudagraph_trees = os.environ.get("DFLASH_CUDAGRAPH_TREES") == "1"
+configure_cudagraphs()  # trees off, donated buffers off: before any compile (see training/cudagraphs.py)
 
 METRIC_KEYS = ("loss", "acc", "cond_acc", "tau_est", "num_labels")
 
@@ -62,7 +60,9 @@ class DrafterStep:
     """Forward + backward of one packed row on one replica. Gradients land in drafter.parameters().grad."""
 
     def __init__(self, drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, cfg: TrainConfig,
-                 device: torch.device, tag: str = "0"):
+                 device: torch.device, tag: str = "0", backend: str | None = None):
+        """backend: a torch.compile backend overriding the compile mode's inductor (tests and the CPU benchmark
+        smoke use 'aot_eager': the same dynamo + autograd tracing, no code generation); ignored when eager."""
         self.drafter, self.device = drafter, device
         # Frozen target tensors, in the compute dtype, on this replica's device; never trained.
         self.dtype = resolve_dtype(cfg.dtype, device)
@@ -82,6 +82,8 @@ class DrafterStep:
         fn = _fresh_function(_loss_fn, tag)
         if self.compile_mode == "eager":
             self._loss = fn
+        elif backend is not None:
+            self._loss = torch.compile(fn, backend=backend, dynamic=False, fullgraph=False)
         else:
             self._loss = torch.compile(fn, mode=None if self.compile_mode == "default" else self.compile_mode,
                                        dynamic=False, fullgraph=False)

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""dflash-train benchmarks: one entry point; prints progress as it goes and a table last.
+
+  PYTHONPATH=src python3 benchmarks/bench.py                          # GPU suite: one H200, ~7 min
+  PYTHONPATH=src python3 benchmarks/bench.py --only drafter,target     # a subset (matmul always runs: MFU needs it)
+  PYTHONPATH=src python3 benchmarks/bench.py --suite cpu-smoke         # every benchmark at tiny shapes, seconds
+
+Results also go to $OUT/bench_results.json (or ./bench_results.json). Benchmarks live in cases.py, registered
+with @benchmark; shapes per suite in harness.py. docs/BENCHMARKS.md records the figures and what they mean.
+Exit status 1 when a variant failed (the table still prints; the JSON keeps its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_ORDER = ["drafter", "target", "colocated", "pipeline"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--suite", default="gpu", choices=["gpu", "cpu-smoke"])
+    p.add_argument("--only", default="", help="comma-separated benchmarks (default: all): "
+                                              "matmul, drafter, target, colocated, pipeline")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip variants that would start past this many seconds (gpu default 450)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations per variant")
+    p.add_argument("--docs", type=int, default=None, help="documents per packed row (gpu default 1)")
+    p.add_argument("--json", default=None, help="results file (default $OUT/bench_results.json or ./)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.suite == "gpu":
+        # Kept between calls on a warm device machine (.gpu/ is git-ignored): a rerun skips most compilation.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".gpu" / "inductor-cache"))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import torch
+
+    import cases  # noqa: F401 - registers the benchmarks
+    from harness import BENCHMARKS, SUITES, Context
+
+    suite = SUITES[args.suite]
+    if args.budget_s is not None:
+        suite.budget_s = args.budget_s
+    if args.iters is not None:
+        suite.iters = args.iters
+    if args.docs is not None:
+        suite.num_docs = args.docs
+    if suite.device == "cuda" and not torch.cuda.is_available():
+        print("error: the gpu suite needs CUDA; use --suite cpu-smoke on this machine", file=sys.stderr)
+        return 2
+    names = [n.strip() for n in args.only.split(",") if n.strip()] or DEFAULT_ORDER
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        print(f"error: unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    names = ["matmul"] + [n for n in names if n != "matmul"]
+
+    ctx = Context(suite)
+    meta = environment(torch, suite, argv if argv is not None else sys.argv[1:])
+    ctx.log(f"suite {suite.name} on {meta['device_name']}; torch {meta['torch']}, transformers "
+            f"{meta['transformers']}; benchmarks: {', '.join(names)}")
+    for name in names:
+        fn, _help = BENCHMARKS[name]
+        fn(ctx)
+    ratios = derive_ratios(ctx.rows)
+    out = Path(args.json) if args.json else Path(os.environ.get("OUT") or ".") / "bench_results.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "ratios": ratios, "rows": [asdict(r) for r in ctx.rows]}, indent=1,
+                              default=str))
+    ctx.log(f"results written to {out}")
+    print_table(ctx.rows, ratios, suite, meta)
+    return 1 if any(r.status == "error" for r in ctx.rows) else 0
+
+
+def environment(torch, suite, argv) -> dict:
+    import transformers
+
+    try:
+        import triton
+        triton_v = triton.__version__
+    except Exception:  # noqa: BLE001 - triton is absent on CPU-only machines
+        triton_v = None
+    cuda = suite.device == "cuda"
+    return {"date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"), "suite": suite.name,
+            "command": "PYTHONPATH=src python3 benchmarks/bench.py " + " ".join(argv),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "triton": triton_v, "python": platform.python_version(),
+            "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+            "num_docs": suite.num_docs, "iters": suite.iters, "warmup": suite.warmup}
+
+
+def _row(rows, bench, variant_prefix, shape=None):
+    for r in rows:
+        if r.bench == bench and r.variant.startswith(variant_prefix) and r.status == "ok" and r.ms:
+            if shape is None or r.shape == shape:
+                return r
+    return None
+
+
+def derive_ratios(rows) -> dict:
+    """The ratios the issue's goals are stated in (P1 target MFU, P2 drafter MFU, P4 reduce-overhead / eager)."""
+    out: dict = {}
+    eager, ref = _row(rows, "drafter", "eager"), _row(rows, "drafter", "reference")
+    for key, prefix in (("default", "compile default"), ("reduce-overhead", "compile reduce-overhead")):
+        r = _row(rows, "drafter", prefix)
+        if r and eager:
+            out[f"drafter {key} speedup vs eager"] = eager.ms / r.ms
+    drafter_ok = [r for r in rows if r.bench == "drafter" and r.status == "ok" and r.mfu is not None
+                  and not r.variant.startswith("reference")]
+    if drafter_ok:
+        best = max(drafter_ok, key=lambda r: r.mfu)
+        out["drafter best MFU (goal P2 >= 0.55)"] = best.mfu
+        if ref:
+            out["drafter best speedup vs reference"] = ref.ms / best.ms
+    target_ok = [r for r in rows if r.bench == "target" and r.status == "ok" and r.mfu is not None
+                 and "ceiling" not in r.variant]
+    if target_ok:
+        out["target best MFU (goal P1 >= 0.70)"] = max(r.mfu for r in target_ok)
+    for r in target_ok:
+        if r.variant.startswith("torch.compile"):
+            e = _row(rows, "target", "eager (document mask)", r.shape)
+            if e:
+                out[f"target compiled speedup vs eager at {r.shape}"] = e.ms / r.ms
+    colo = _row(rows, "colocated", "target")
+    if colo:
+        t = _row(rows, "target", "eager (document mask)", f"T={colo.shape.split()[0][2:]}")
+        d = max(drafter_ok, key=lambda r: r.mfu) if drafter_ok else None
+        if t and d:
+            out["colocated tokens/s vs slowest stage alone"] = colo.tokens_per_s / min(t.tokens_per_s, d.tokens_per_s)
+    return out
+
+
+def _fmt(v, spec):
+    return "" if v is None else format(v, spec)
+
+
+def print_table(rows, ratios, suite, meta) -> None:
+    head = ("bench", "variant", "shape", "ms", "tok/s", "TFLOP/s", "MFU", "peak GiB", "notes")
+    body = [(r.bench, r.variant if r.status == "ok" else f"{r.variant} [{r.status.upper()}]", r.shape,
+             _fmt(r.ms, ".2f"), _fmt(r.tokens_per_s, ",.0f"), _fmt(r.tflops, ".0f"), _fmt(r.mfu, ".3f"),
+             _fmt(r.peak_gib, ".1f"), r.note[:110]) for r in rows]
+    widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head) - 1)]
+    print(f"\n== dflash-train bench | suite {suite.name} | {meta['device_name']} | torch {meta['torch']} | "
+          f"{meta['date_utc']} | docs/row {suite.num_docs}")
+    for line in [head] + body:
+        cells = [str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        print("  ".join(cells) + "  " + line[-1])
+    for k, v in ratios.items():
+        print(f"  {k}: {v:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Benchmark harness: suites (shapes per machine), the registry, per-variant isolation, timing and memory helpers.
+
+A benchmark is a function `fn(ctx: Context) -> None` registered with `@benchmark(name, help)`; it measures one or
+more variants through `ctx.variant(...)`, which times-boxes, catches and records failures, so one broken variant
+never stops the run. Rows land in `ctx.rows`; bench.py prints them as the final table.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Suite:
+    """Shapes and timing knobs of one benchmark suite."""
+    name: str
+    device: str
+    dtype: torch.dtype
+    matmul_n: int
+    target: dict               # transformers Qwen3Config kwargs
+    num_taps: int              # k tapped target layers (default_layer_ids(L, k))
+    draft_layers: int
+    block_size: int
+    token_budget: int          # T: context tokens per packed row (drafter step and colocated)
+    num_anchors: int           # A
+    target_seqs: list[int]     # target stage, eager
+    target_compile_seqs: list[int]
+    num_docs: int = 1          # documents per packed row (1 = the attention-heaviest case, as the reference run)
+    warmup: int = 3
+    iters: int = 10
+    compile_backend: str | None = None   # None = inductor; 'aot_eager' traces without code generation (CPU smoke)
+    budget_s: float = math.inf           # skip variants that would start past this many seconds into the run
+
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+SUITES = {
+    "gpu": Suite("gpu", "cuda", torch.bfloat16, matmul_n=8192, target=QWEN3_8B, num_taps=5, draft_layers=5,
+                 block_size=16, token_budget=4096, num_anchors=512, target_seqs=[2048, 4096],
+                 target_compile_seqs=[4096, 2048], warmup=3, iters=10, budget_s=450.0),
+    "cpu-smoke": Suite("cpu-smoke", "cpu", torch.float32, matmul_n=256, target=TINY, num_taps=3, draft_layers=2,
+                       block_size=4, token_budget=64, num_anchors=8, target_seqs=[32, 64], target_compile_seqs=[64],
+                       num_docs=2, warmup=1, iters=2, compile_backend="aot_eager"),
+}
+
+
+@dataclass
+class Row:
+    bench: str
+    variant: str
+    shape: str = ""
+    status: str = "ok"                   # ok | error | skipped
+    ms: float | None = None              # median time of one unit (step, forward, matmul)
+    tokens_per_s: float | None = None
+    tflops: float | None = None          # achieved model TFLOP/s
+    mfu: float | None = None             # tflops / matmul peak measured in this run
+    peak_gib: float | None = None        # torch.cuda.max_memory_allocated over the variant
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+class Skip(Exception):
+    """A benchmark or variant that cannot run here; the message says why and what it needs."""
+
+
+BENCHMARKS: dict[str, tuple[Callable, str]] = {}
+
+
+def benchmark(name: str, help: str):
+    def register(fn):
+        BENCHMARKS[name] = (fn, help)
+        return fn
+    return register
+
+
+class Context:
+    def __init__(self, suite: Suite):
+        self.suite = suite
+        self.device = torch.device(suite.device)
+        self.rows: list[Row] = []
+        self.peak_tflops: float | None = None   # set by the matmul benchmark; the MFU denominator
+        self.cache: dict = {}                   # objects shared between benchmarks (e.g. the built target)
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def log(self, msg: str) -> None:
+        print(f"[{self.elapsed():7.1f}s] {msg}", flush=True)
+
+    def mfu(self, flops: float, ms: float) -> tuple[float, float | None]:
+        tflops = flops / (ms * 1e-3) / 1e12
+        return tflops, (tflops / self.peak_tflops if self.peak_tflops else None)
+
+    def variant(self, bench: str, variant: str, shape: str, fn: Callable[[], Row | None], cost_s: float = 0.0):
+        """Run one measured variant: skip it if it would start past the budget, record any exception as an
+        'error' row (the run goes on), free device memory afterwards."""
+        left = self.suite.budget_s - self.elapsed()
+        if cost_s > left:
+            self.rows.append(Row(bench, variant, shape, "skipped",
+                                 note=f"time budget: ~{cost_s:.0f}s needed, {max(0.0, left):.0f}s left; "
+                                      f"rerun with --only {bench}"))
+            self.log(f"{bench}/{variant}: skipped (budget)")
+            return None
+        self.log(f"{bench}/{variant} [{shape}] ...")
+        reset_memory(self.device)
+        try:
+            row = fn()
+        except Skip as e:
+            row = Row(bench, variant, shape, "skipped", note=str(e))
+        except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
+            tb = traceback.format_exc()
+            print(tb[-4000:], file=sys.stdout, flush=True)
+            row = Row(bench, variant, shape, "error", note=f"{type(e).__name__}: {first_line(e)}",
+                      extra={"traceback": tb[-8000:]})
+        if row is not None:
+            row.bench, row.variant, row.shape = bench, variant, shape
+            if row.status == "ok" and row.peak_gib is None:
+                row.peak_gib = peak_gib(self.device)
+            self.rows.append(row)
+            self.log(f"{bench}/{variant}: {summary(row)}")
+        free_memory(self.device)
+        return row
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else "")[:240]
+
+
+def summary(r: Row) -> str:
+    if r.status != "ok":
+        return f"{r.status}: {r.note}"
+    parts = [f"{r.ms:.2f} ms" if r.ms is not None else ""]
+    if r.tokens_per_s:
+        parts.append(f"{r.tokens_per_s:,.0f} tok/s")
+    if r.mfu is not None:
+        parts.append(f"MFU {r.mfu:.3f}")
+    if r.peak_gib is not None:
+        parts.append(f"peak {r.peak_gib:.1f} GiB")
+    return ", ".join(p for p in parts if p)
+
+
+# ---------------------------------------------------------------------------------------- device helpers
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def peak_gib(device: torch.device) -> float | None:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+class Timer:
+    """Times regions on the device stream: CUDA events on GPU (no sync inside the loop), wall clock on CPU.
+
+    t = Timer(device); t.mark() ... t.mark() ...; t.intervals_ms() -> [ms between consecutive marks]."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.marks: list = []
+
+    def mark(self) -> None:
+        if self.device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list[float]:
+        sync(self.device)
+        if self.device.type == "cuda":
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def time_calls(fn: Callable[[int], object], device: torch.device, warmup: int, iters: int) -> tuple[float, float]:
+    """-> (first call seconds incl. any compilation, median ms of `iters` calls after `warmup` more)."""
+    t0 = time.perf_counter()
+    fn(0)
+    sync(device)
+    first_s = time.perf_counter() - t0
+    for i in range(warmup):
+        fn(1 + i)
+    timer = Timer(device)
+    timer.mark()
+    for i in range(iters):
+        fn(1 + warmup + i)
+        timer.mark()
+    return first_s, statistics.median(timer.intervals_ms())
+
+
+def count_host_syncs(fn: Callable[[], object], device: torch.device) -> int | None:
+    """Host-device synchronisations inside fn (CUDA sync debug mode); None where it cannot be observed."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def compile_counters() -> dict:
+    """Snapshot of dynamo / inductor counters (graphs, graph breaks, CUDA-graph skips), to diff around a variant."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001
+        return {}
+    return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "break_reasons": list(counters["graph_break"].keys()),
+            "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0))}
+
+
+def counters_delta(before: dict, after: dict) -> dict:
+    if not before or not after:
+        return {}
+    out = {k: after[k] - before[k] for k in ("graphs", "graph_breaks", "cudagraph_skips")}
+    out["break_reasons"] = [r[:200] for r in after["break_reasons"] if r not in before["break_reasons"]][:5]
+    return out
+
+
+class CudagraphSkipLog:
+    """Collects inductor's 'skipping cudagraphs due to ...' warnings during a variant (their artifact loggers do
+    not propagate unless TORCH_LOGS asks, so a handler is attached to them directly)."""
+
+    NAMES = ("torch._inductor.cudagraph_utils.__cudagraphs", "torch._inductor.compile_fx.__perf_hints",
+             "torch._inductor.cudagraph_utils", "torch._inductor.compile_fx")
+
+    def __enter__(self):
+        import logging
+
+        self.messages: list[str] = []
+        outer = self
+
+        class _Handler(logging.Handler):
+            def emit(self, record):
+                msg = record.getMessage()
+                if "cudagraph" in msg.lower() and len(outer.messages) < 20:
+                    outer.messages.append(msg[:300])
+
+        self._handler = _Handler(level=logging.WARNING)
+        self._loggers = [logging.getLogger(n) for n in self.NAMES]
+        for lg in self._loggers:
+            lg.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        for lg in self._loggers:
+            lg.removeHandler(self._handler)
+        return False
