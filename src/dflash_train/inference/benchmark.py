@@ -178,7 +178,7 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
     if isinstance(drafter, DFlashDrafter) and list(drafter.config.target_layer_ids) != target.layer_ids:
         raise ModelMismatchError(f"The drafter reads target layers {drafter.config.target_layer_ids} but the target "
                                  f"taps {target.layer_ids}; load the target with the drafter's target_layer_ids.")
-    B = block_size or drafter.config.block_size
+    B = block_size or (drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size)
     max_len = max(len(p) for p in prompts_token_ids) + max_new_tokens + B
     t_run = TargetRunner.for_target(target, max_len, step_lens=(1, B), graphs=graphs)
     d_run = DrafterRunner(drafter, target, max_len, B, graphs) if isinstance(drafter, DFlashDrafter) else drafter

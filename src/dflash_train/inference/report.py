@@ -63,6 +63,9 @@ def format_summary(report) -> str:
         verdict = "n/a (sampling; distribution-preserving rule)"
     else:
         verdict = f"{'yes' if s['lossless'] else 'NO'} ({s['identical_prompts']}/{s['num_prompts']} identical)"
+        margins = [p.mismatch_margin for p in report.prompts if p.mismatch_margin is not None]
+        if margins:  # a top-2 logit margin near 0 at the divergence = a numerical tie, not a broken rule
+            verdict += f"; target top-2 margins at the first mismatches: {', '.join(f'{m:.3g}' for m in margins)}"
     rows = [
         ("", "plain", "speculative"),
         ("tokens", str(sum(len(p.baseline) for p in report.prompts)),
