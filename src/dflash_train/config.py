@@ -65,12 +65,22 @@ class DataConfig:
     synthetic_vocab: int = _f(64, "synthetic source: number of distinct tokens in the repeating stream.")
     synthetic_period: int = _f(8, "synthetic source: the stream repeats every this many tokens.")
     synthetic_samples: int = _f(256, "synthetic source: number of documents.")
+    regenerate: bool = _f(False, "Before training, the target rewrites the assistant turns of the training "
+                                 "conversations (greedy, batched, turn by turn) into <out_dir>/regenerated.jsonl, and "
+                                 "training reads that file: the drafter learns the target's own answers. Resumable: "
+                                 "conversations already in the file are kept.")
+    regenerate_max_new_tokens: int = _f(256, "data.regenerate: at most this many new tokens per assistant turn.")
 
     def __post_init__(self):
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ConfigError("data.heldout_fraction must be in [0, 1).")
         if self.max_length < 2:
             raise ConfigError("data.max_length must be at least 2.")
+        if self.regenerate and self.source == "synthetic":
+            raise ConfigError("data.regenerate needs chat data: set data.source to 'sharegpt' or a .json/.jsonl "
+                              "chat file, or data.regenerate=false.")
+        if self.regenerate_max_new_tokens < 1:
+            raise ConfigError("data.regenerate_max_new_tokens must be at least 1.")
 
 
 @dataclass
@@ -97,6 +107,10 @@ class TrainConfig:
     checkpoint_every: int = _f(500, "Save a checkpoint every this many steps (0 = only at the end).")
     keep_checkpoints: int = _f(3, "Keep the newest K step checkpoints.")
     loss_chunk: int = _f(4096, "Block positions per LM-head chunk in the loss (bounds logits memory).")
+    max_minutes: float | None = _f(None, "Time budget: stop after the first step that ends past this many minutes of "
+                                         "training (loading, tokenizing and compile warm-up not counted), write the "
+                                         "checkpoint and the drafter, and finish normally. The LR schedule keeps the "
+                                         "length set by max_steps / epochs. Empty = no limit.")
 
     def __post_init__(self):
         if self.token_budget < 4:
@@ -105,6 +119,9 @@ class TrainConfig:
             raise ConfigError("train.num_anchors must be at least 1.")
         if self.lr <= 0:
             raise ConfigError("train.lr must be positive.")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ConfigError(f"train.max_minutes must be positive (got {self.max_minutes}); leave it empty for no "
+                              "time limit.")
         if len(self.betas) != 2:
             raise ConfigError("train.betas must be a list of two floats, e.g. [0.9, 0.95].")
         for name, allowed in (("compile", ("auto", "eager", "default", "reduce-overhead")),

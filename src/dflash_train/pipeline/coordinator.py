@@ -25,8 +25,10 @@ import torch
 from ..config import Config
 from ..models.checkpoint import save_drafter
 from ..models.target import load_target
+from ..training.budget import TimeBudget
 from ..training.checkpointing import CheckpointManager, set_rng_state
 from ..training.metrics import MetricsLogger
+from ..training.plots import write_training_plots
 from ..training.run import build_run, prepare_out_dir
 from ..training.step import resolve_compile_mode
 from ..training.trainer import TrainResult
@@ -105,6 +107,9 @@ class _Pipeline:
         self.reporter = StepReporter(self.logger, self.ckpt, cfg.train.checkpoint_every, self.run_setup.total_steps,
                                      self.n, batches, feats, self.targets, self.drafters)
         self.drafters[0].reporter = self.reporter
+        self.budget = TimeBudget(cfg.train.max_minutes, replicas=self.n)
+        for d in self.drafters:
+            d.budget = self.budget
         self.prefetch = Prefetcher(c, feats, inboxes, drafter_devices, [w.stream for w in self.drafters],
                                    len(targets), start_batch, in_flight)
         uses_cuda = any(d.type == "cuda" for d in target_devices + drafter_devices)
@@ -134,6 +139,7 @@ class _Pipeline:
         self._check_replicas_identical()
         self._save(d0)
         final = save_drafter(d0.drafter, self.run_setup.out_dir / "drafter")
+        write_training_plots(self.run_setup.out_dir, self.logger.history)
         log.info(f"done: {d0.steps_done} steps on {self.n} replica(s); servable drafter in {final}")
         checksums = [list(c) for c in zip(*(d.checksums for d in self.drafters))]
         return PipelineResult(self.run_setup.out_dir, final, d0.steps_done, self.logger.history, checksums,
@@ -150,9 +156,12 @@ class _Pipeline:
             return
         self.guard.arm()
         self.reporter.restart_window()
+        self.budget.start()
         self.prefetch.start()
         self.loader.start()
-        self._supervise(lambda: all(w.finished.is_set() for w in self.workers))
+        # Out of time (train.max_minutes), the drafters stop early; _shutdown then stops the stages feeding them.
+        self._supervise(lambda: all(w.finished.is_set()
+                                    for w in (self.drafters if self.budget.spent else self.workers)))
 
     def _supervise(self, done) -> bool:
         """Wait until done(); False when the run is stopping (failure, stall or signal). Stall = a started worker

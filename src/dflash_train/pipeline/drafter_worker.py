@@ -68,6 +68,7 @@ class DrafterWorker(Worker):
         self.checksums: list[float] = []  # one per step trained by this replica
         self.batch_indices: list[int] = []  # the data positions it trained on, in order
         self._pending_checksums: list[torch.Tensor] = []
+        self.budget = None  # TimeBudget shared by all replicas (train.max_minutes), set by the coordinator
 
     def setup(self) -> None:
         cfg = self.run.cfg.train
@@ -124,6 +125,8 @@ class DrafterWorker(Worker):
                 self.flush_checksums()  # .item() syncs this replica's stream: log steps only
             if self.reporter is not None:
                 self.reporter.on_step(self, step + 1, metrics)
+            if self.budget is not None and self.budget.should_stop(self.steps_done, decider=self.replica == 0):
+                break  # every replica stops after the same step (see training/budget.py)
         self.flush_checksums()
 
     def flush_checksums(self) -> None:

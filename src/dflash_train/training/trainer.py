@@ -14,9 +14,11 @@ import torch
 from ..config import Config
 from ..models.checkpoint import save_drafter
 from ..models.target import load_target
+from .budget import TimeBudget
 from .checkpointing import CheckpointManager, set_rng_state
 from .metrics import MetricsLogger
 from .optim import build_optimizer, build_scheduler
+from .plots import write_training_plots
 from .run import RunSetup, build_run
 from .step import DrafterStep
 
@@ -63,6 +65,7 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
     logger = MetricsLogger(setup.out_dir, setup.total_steps, cfg.train.token_budget, cfg.train.log_every,
                            start_step=start_step)
     step = start_step
+    budget = TimeBudget(cfg.train.max_minutes)  # the clock starts with the first step
     try:
         for batch in setup.schedule.iter_from(start_step):
             b = batch.to(device)
@@ -81,9 +84,14 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
                 logger.log(step, metrics, scheduler.get_last_lr()[0])
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
                 ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
+            if budget.should_stop(step):
+                if not logger.should_log(step):  # the last step's metrics belong in the log and the plots
+                    logger.log(step, metrics, scheduler.get_last_lr()[0])
+                break
         ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
         final = save_drafter(drafter, setup.out_dir / "drafter")
     finally:
         logger.close()
+    write_training_plots(setup.out_dir, logger.history)
     log.info(f"done: {step} steps; servable drafter in {final}")
     return TrainResult(setup.out_dir, final, step, logger.history)

@@ -1,0 +1,48 @@
+"""`train.max_minutes`: stop training once a wall-clock budget is spent, at the same step on every replica.
+
+The clock starts when training starts (after loading, tokenizing and compile warm-up). Only the step loop stops
+early: the LR schedule keeps the length set by max_steps / epochs, and the caller checkpoints and finishes normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+log = logging.getLogger("dflash_train")
+
+
+class TimeBudget:
+    """Decides, once, the step after which every training loop stops.
+
+    With several replicas (pipeline threads) one of them, the `decider`, turns an expired clock into a stop step one
+    step ahead: it decides after its step s, before it joins the gradient average of step s+1, which every replica
+    must pass to finish step s+1; so every replica reads the decision when it checks after step s+1, and all stop
+    there with identical weights. A single loop stops right after the step that ran past the budget.
+    """
+
+    def __init__(self, max_minutes: float | None, replicas: int = 1):
+        self.max_s = None if max_minutes is None else 60.0 * max_minutes
+        self.lag = 0 if replicas == 1 else 1
+        self.t0 = time.monotonic()
+        self.stop_after: int | None = None  # written once by the decider; a plain int, read by the other threads
+
+    def start(self) -> None:
+        """Restart the clock (call when the first training step is about to run)."""
+        self.t0 = time.monotonic()
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.t0
+
+    def should_stop(self, steps_done: int, decider: bool = True) -> bool:
+        """Called by every replica after each completed step (steps_done counts them)."""
+        if decider and self.stop_after is None and self.max_s is not None and self.elapsed_s >= self.max_s:
+            self.stop_after = steps_done + self.lag
+            log.info(f"time budget of {self.max_s / 60:g} min spent after step {steps_done}: stopping after step "
+                     f"{self.stop_after}")
+        return self.stop_after is not None and steps_done >= self.stop_after
+
+    @property
+    def spent(self) -> bool:
+        return self.stop_after is not None
