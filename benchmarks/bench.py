@@ -133,12 +133,22 @@ def derive_ratios(rows) -> dict:
             e = _row(rows, "target", "eager (document mask)", r.shape)
             if e:
                 out[f"target compiled speedup vs eager at {r.shape}"] = e.ms / r.ms
+    if ref and "loss_first" in ref.extra:
+        diffs = [abs(r.extra["loss_first"] - ref.extra["loss_first"]) for r in drafter_ok if "loss_first" in r.extra]
+        if diffs:   # every variant's first step: same weights, same batch; only numerics may differ
+            out["drafter first-step loss max |diff| vs reference"] = max(diffs)
     colo = _row(rows, "colocated", "target")
     if colo:
         t = _row(rows, "target", "eager (document mask)", f"T={colo.shape.split()[0][2:]}")
         d = max(drafter_ok, key=lambda r: r.mfu) if drafter_ok else None
-        if t and d:
-            out["colocated tokens/s vs slowest stage alone"] = colo.tokens_per_s / min(t.tokens_per_s, d.tokens_per_s)
+        if t and d:   # sequential: the ideal is 1 / (1/target + 1/drafter), each stage's time alone added up
+            ideal = 1.0 / (1.0 / t.tokens_per_s + 1.0 / d.tokens_per_s)
+            out["colocated tokens/s vs stages alone back to back"] = colo.tokens_per_s / ideal
+    for r in rows:
+        if r.bench == "pipeline" and r.status == "ok" and "vs_slowest_stage" in r.extra:
+            out[f"pipeline ({r.variant}) vs slowest stage alone (goal P3 >= 0.95)"] = r.extra["vs_slowest_stage"]
+            if colo:
+                out[f"pipeline ({r.variant}) vs colocated"] = r.tokens_per_s / colo.tokens_per_s
     return out
 
 

@@ -169,6 +169,12 @@ def reset_memory(device: torch.device) -> None:
 
 
 def free_memory(device: torch.device) -> None:
+    """Drop compiled code (its CUDA graphs hold static copies of inputs and activation pools) and cached blocks,
+    so each variant's peak memory is its own. The on-disk inductor cache stays: later compiles of the same graph
+    are quick."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -37,6 +37,9 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
         assert r["extra"]["flops"]["train"] > r["extra"]["flops"]["forward"] > 0
     compiled = [r for r in drafter if r["variant"].startswith("compile")]
     assert all(r["extra"]["compile"]["graph_breaks"] == 0 for r in compiled), compiled
+    pipeline = {r["variant"]: r for r in rows if r["bench"] == "pipeline"}
+    assert all(r["status"] == "ok" for r in pipeline.values()), pipeline
+    assert pipeline["one CPU shared"]["extra"]["vs_slowest_stage"] > 0
     # the table (and the goal ratios) are the last thing printed
     table = proc.stdout[proc.stdout.rfind("== dflash-train bench"):]
     assert table and "drafter best MFU" in table and "colocated" in table
