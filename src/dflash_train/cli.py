@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--device", default="auto")
+    r.add_argument("--single-turn", action="store_true",
+                   help="keep each conversation only up to its first assistant turn (one generation each)")
+    r.add_argument("--max-length", type=int, default=2048,
+                   help="a conversation is cut before the first turn whose prompt + new tokens exceed this")
+    r.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     r.set_defaults(fn=cmd_regenerate)
 
     d = sub.add_parser("demo", help="train + evaluate a drafter for the embedded SmolLM2 on ShareGPT, offline")
@@ -100,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     doc = sub.add_parser("doctor", help="check versions, devices and a compiled step in a worker thread")
     doc.add_argument("--compile", default="auto", help="compile mode to check (auto | eager | default | reduce-overhead)")
+    doc.add_argument("--device", default="auto", help="device of the compiled step (auto = cuda:0 if present)")
     doc.set_defaults(fn=cmd_doctor)
     return p
 

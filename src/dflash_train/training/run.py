@@ -22,7 +22,8 @@ log = logging.getLogger("dflash_train")
 RUN_CONFIG_NAME = "run_config.yaml"
 # Keys that may differ between a run and its resumption without making it "a different run".
 _RESUMABLE_KEYS = {("run", "resume"), ("run", "overwrite"), ("train", "log_every"), ("train", "checkpoint_every"),
-                   ("train", "keep_checkpoints"), ("pipeline", "stall_timeout_s"), ("pipeline", "queue_depth")}
+                   ("train", "keep_checkpoints"), ("pipeline", "stall_timeout_s"), ("pipeline", "queue_depth"),
+                   ("train", "max_minutes")}
 
 
 @dataclass
@@ -63,7 +64,11 @@ def build_run(cfg: Config, batches_per_step: int = 1) -> RunSetup:
     info = target_config_info(cfg.model.target)
     tokenizer = None if synthetic and cfg.model.target is not None else load_tokenizer(cfg.model.target)
     cache = cfg.data.cache_dir or str(out.parent / ".cache")
-    data = load_dataset(cfg.data, tokenizer, seed=cfg.train.seed, cache_dir=cache)
+    data_cfg = cfg.data
+    if cfg.data.regenerate:  # the target rewrites the answers first; training then reads <out>/regenerated.jsonl
+        from ..data.regenerate import regenerate_for_run
+        data_cfg = regenerate_for_run(cfg, out, tokenizer)
+    data = load_dataset(data_cfg, tokenizer, seed=cfg.train.seed, cache_dir=cache)
     if not data.train:
         raise ConfigError(f"data.source {cfg.data.source!r} produced no training conversations.")
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0

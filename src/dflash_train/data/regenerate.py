@@ -1,0 +1,369 @@
+"""`dflash-train regenerate`: the target rewrites the assistant turns of a chat dataset, so that the drafter trains on
+the target's own answers (what it will have to predict when serving).
+
+  conversations (data/sources.py) -> history rendered with the chat template (inference/prompts.py)
+    -> batched decoding (inference/baseline.BatchGenerator: left padding, static KV cache, CUDA-graphed steps)
+    -> {"id": ..., "messages": [...]} JSONL records, appended and flushed after every batch
+
+Multi-turn conversations are regenerated turn by turn: the history a reply is generated from holds the original
+system/user turns and the target's OWN earlier replies (never the original answers), as when it serves. With
+`single_turn` each conversation is kept only up to its first assistant turn (one generation per conversation).
+A conversation is cut before the first turn whose prompt + max_new_tokens exceeds max_length; one without any
+fitting turn, or whose first reply is empty, is dropped (counted in the summary).
+
+Resumable: record ids are `<key>_<n>` (n = the number of earlier source records with the same key: ShareGPT splits
+long chats into parts that share one key), and source records whose id is already in the output are skipped. The id
+keeps the source's train/held-out split, because the data loader reads the key back from it. A side file
+`<out>.meta.json` records the settings; a file written with other settings is never silently extended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import jinja2
+import torch
+from tqdm import tqdm
+
+from ..errors import UserError
+from .sources import Conversation, DataError, iter_conversations, open_source
+
+log = logging.getLogger("dflash_train")
+
+MIN_CACHE_SLOTS = 128  # static caches are sized in powers of two from here up to max_length (few graph captures)
+
+
+@dataclass
+class RegenerateSettings:
+    """What makes two regenerations of one source interchangeable (stored in <out>.meta.json)."""
+    source: str
+    target: str
+    max_new_tokens: int
+    temperature: float
+    single_turn: bool
+    max_length: int
+    seed: int = 0
+
+
+@dataclass
+class RegenerateStats:
+    conversations: int = 0        # written in this call
+    already_done: int = 0         # skipped: present in the output before this call
+    copied: int = 0               # written unchanged (held-out side of a training run)
+    turns: int = 0                # replies generated
+    generated_tokens: int = 0
+    seconds: float = 0.0
+    dropped: Counter = field(default_factory=Counter)  # reason -> conversations not written
+
+    def line(self) -> str:
+        s = max(self.seconds, 1e-9)
+        dropped = ", ".join(f"{k}={n}" for k, n in sorted(self.dropped.items())) or "none"
+        return (f"regenerated {self.conversations} conversations ({self.turns} replies, {self.generated_tokens:,} "
+                f"tokens) in {self.seconds:.1f}s: {self.conversations / s:.2f} conversations/s, "
+                f"{self.generated_tokens / s:,.1f} generated tokens/s; {self.already_done} already done, "
+                f"{self.copied} copied unchanged; dropped: {dropped}")
+
+
+@dataclass
+class _Chat:
+    """One conversation being regenerated: the source turns and the rebuilt history."""
+    rid: str
+    source: list[dict]
+    messages: list[dict] = field(default_factory=list)
+    next: int = 0     # index of the next source message to consume
+    replies: int = 0
+
+    def advance(self) -> bool:
+        """Move the source turns before the next assistant turn into the history; True if a reply is due."""
+        while self.next < len(self.source) and self.source[self.next]["role"] != "assistant":
+            self.messages.append(self.source[self.next])
+            self.next += 1
+        return self.next < len(self.source)
+
+    def add_reply(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+        self.next += 1  # the original answer is replaced, never shown to the target
+        self.replies += 1
+
+    def record(self) -> dict:
+        messages = list(self.messages)
+        while messages and messages[-1]["role"] != "assistant":  # cut before a turn: its question has no answer
+            messages.pop()
+        return {"id": self.rid, "messages": messages}
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+def iter_source_records(source: str, counts: Counter) -> Iterator[tuple[str, Conversation]]:
+    """(record id, conversation) in file order; ids are unique and keep the conversation's split key."""
+    seen: Counter = Counter()
+    with open_source(source) as path:
+        for conv in iter_conversations(path, counts):
+            n = seen[conv.key]
+            seen[conv.key] += 1
+            yield f"{conv.key}_{n}", conv
+
+
+def read_done_ids(out_path: Path) -> set[str]:
+    """Ids already in the output. A last line cut by a crash (no newline) is removed, so appends stay valid."""
+    if not out_path.is_file():
+        return set()
+    data = out_path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with open(out_path, "r+b") as f:
+            f.truncate(end)
+        log.warning(f"{out_path}: removed an incomplete last line (an interrupted run); it will be regenerated")
+    done = set()
+    for line in data[:end].decode("utf-8").splitlines():
+        with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
+            done.add(str(json.loads(line)["id"]))
+    return done
+
+
+def check_settings(out_path: Path, settings: RegenerateSettings, replace: bool) -> None:
+    """Refuse (or, with replace, start over) when out_path was written with other settings."""
+    meta = out_path.with_suffix(".meta.json")
+    want = dataclasses.asdict(settings)
+    if out_path.is_file() and out_path.stat().st_size > 0:
+        have = json.loads(meta.read_text()) if meta.is_file() else None
+        if have != want:
+            if not replace:
+                diff = "unknown settings" if have is None else ", ".join(
+                    f"{k}={have.get(k)!r} (now {v!r})" for k, v in want.items() if have.get(k) != v)
+                raise UserError(f"{out_path} holds regenerated conversations made with other settings ({diff}); "
+                                "pass another output path, or delete the file to start over.")
+            log.warning(f"{out_path} was regenerated with other settings: starting over")
+            out_path.unlink()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps(want, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- generation
+
+class Regenerator:
+    """Batched turn-by-turn regeneration with one HF causal LM. Conversations flow through a pool: every round
+    generates the next reply of up to batch_size conversations, so multi-turn chats never hold a batch half empty
+    while new conversations are waiting."""
+
+    def __init__(self, hf, tokenizer, settings: RegenerateSettings, batch_size: int, stop_ids, graphs=None):
+        self.hf, self.tokenizer, self.settings, self.batch_size = hf, tokenizer, settings, batch_size
+        self.stop_ids, self.graphs = list(stop_ids), graphs
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        device = hf.get_input_embeddings().weight.device
+        self.generator = (torch.Generator(device=device).manual_seed(settings.seed)
+                          if settings.temperature > 0 else None)
+        self._generators: dict[int, object] = {}  # cache slots -> BatchGenerator (one graph capture each)
+
+    def _prompt_ids(self, chat: _Chat) -> list[int] | None:
+        from ..inference.prompts import Prompt, tokenize_prompts
+
+        try:
+            return tokenize_prompts([Prompt("messages", chat.messages)], self.tokenizer)[0]
+        except jinja2.TemplateError:  # e.g. a template that insists on alternating roles
+            return None
+
+    def _batch_generator(self, slots_needed: int):
+        from ..inference.baseline import BatchGenerator
+
+        slots = MIN_CACHE_SLOTS
+        while slots < slots_needed:
+            slots *= 2
+        slots = max(min(slots, self.settings.max_length), slots_needed)
+        if slots not in self._generators:
+            self._generators[slots] = BatchGenerator(self.hf, self.batch_size, slots, self.graphs)
+        return self._generators[slots]
+
+    def run(self, items: Iterable[tuple[str, Conversation, bool]], write, flush, stats: RegenerateStats,
+            bar: tqdm) -> None:
+        """items: (id, conversation, regenerate?); False copies the conversation unchanged. write(record) for each
+        finished conversation, flush() after every batch."""
+        s = self.settings
+        t0 = time.perf_counter()
+        pool: deque[tuple[_Chat, list[int]]] = deque()  # conversations with a reply due, and its prompt ids
+        source = iter(items)
+
+        def finish(chat: _Chat, reason: str | None = None) -> None:
+            if chat.replies:
+                write(chat.record())
+                stats.conversations += 1
+            else:
+                stats.dropped[reason or "no_reply"] += 1
+            bar.update()
+
+        def enqueue(chat: _Chat) -> None:
+            """Queue the chat's next reply, or finish it (no assistant turn left, or the prompt does not fit)."""
+            if s.single_turn and chat.replies:
+                return finish(chat)
+            if not chat.advance():
+                return finish(chat)
+            ids = self._prompt_ids(chat)
+            if ids is None:
+                return finish(chat, "template_error")
+            if len(ids) + s.max_new_tokens > s.max_length:
+                return finish(chat, "prompt_longer_than_max_length")
+            pool.append((chat, ids))
+
+        exhausted = False
+        while True:
+            while len(pool) < self.batch_size and not exhausted:
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                    break
+                rid, conv, regen = item
+                if not regen:
+                    write({"id": rid, "messages": conv.messages})
+                    stats.copied += 1
+                    bar.update()
+                    continue
+                enqueue(_Chat(rid, conv.messages))
+            if not pool:
+                flush()
+                return
+            batch = [pool.popleft() for _ in range(min(self.batch_size, len(pool)))]
+            prompts = [ids for _, ids in batch]
+            gen = self._batch_generator(max(len(p) for p in prompts) + s.max_new_tokens)
+            outs = gen.generate(prompts, s.max_new_tokens, self.stop_ids, s.temperature, self.generator, self.pad_id)
+            for (chat, _), tokens in zip(batch, outs):
+                stats.turns += 1
+                stats.generated_tokens += len(tokens)
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                if not text:  # an empty turn would be dropped by the reader and break the turn order
+                    finish(chat, "empty_reply")
+                    continue
+                chat.add_reply(text)
+                enqueue(chat)
+            flush()
+            bar.set_postfix_str(f"{stats.generated_tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
+
+
+def regenerate_dataset(hf, tokenizer, items: Iterable[tuple[str, Conversation, bool]], out_path: str | Path,
+                       settings: RegenerateSettings, batch_size: int, total: int | None = None,
+                       replace_mismatch: bool = False, graphs: bool | None = None) -> RegenerateStats:
+    """Regenerate `items` ((id, conversation, regenerate?) in order) into out_path (JSONL, appended, resumable)."""
+    from ..inference.benchmark import stop_token_ids
+
+    if batch_size < 1:
+        raise UserError("The regeneration batch size must be at least 1.")
+    out_path = Path(out_path)
+    check_settings(out_path, settings, replace_mismatch)
+    done = read_done_ids(out_path)
+    stats = RegenerateStats()
+    regen = Regenerator(hf, tokenizer, settings, batch_size, stop_token_ids(hf, tokenizer), graphs)
+    t0 = time.perf_counter()
+    with open(out_path, "a", encoding="utf-8") as f, \
+            tqdm(total=total, desc="regenerating", unit="conv", disable=None, leave=False) as bar:
+        def todo():
+            for rid, conv, flag in items:
+                if rid in done:
+                    stats.already_done += 1
+                    bar.update()
+                else:
+                    yield rid, conv, flag
+
+        def write(record: dict) -> None:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+        # Flushed after every batch: a crash loses at most the batch in flight (and read_done_ids drops a cut line).
+        regen.run(todo(), write, f.flush, stats, bar)
+    stats.seconds = time.perf_counter() - t0
+    log.info(stats.line())
+    return stats
+
+
+def _select(source: str, max_samples: int | None, counts: Counter) -> Iterator[tuple[str, Conversation, bool]]:
+    for n, (rid, conv) in enumerate(iter_source_records(source, counts)):
+        if max_samples is not None and n >= max_samples:
+            return
+        yield rid, conv, True
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+def load_generation_model(target: str | None, device: torch.device):
+    """The whole target as a plain HF causal LM (bf16 on GPU, fp32 on CPU)."""
+    from ..models.target import load_target
+
+    return load_target(target, [0], device=device, truncate=False).hf
+
+
+def regenerate_for_run(cfg, out_dir: Path, tokenizer):
+    """data.regenerate: regenerate the run's training conversations (the first data.max_samples on the training
+    side of the split) into <out_dir>/regenerated.jsonl, copy the held-out side unchanged (its prompts are what
+    evaluation uses), and return the DataConfig that reads that file."""
+    from ..pipeline.devices import resolve_pipeline_devices
+    from .conversations import is_heldout
+
+    d = cfg.data
+    device = resolve_pipeline_devices(cfg.pipeline)[0][0]
+    out_path = Path(out_dir) / "regenerated.jsonl"
+    settings = RegenerateSettings(source=d.source, target=str(cfg.model.target or "smollm2"),
+                                  max_new_tokens=d.regenerate_max_new_tokens, temperature=0.0, single_turn=False,
+                                  max_length=d.max_length, seed=cfg.train.seed)
+    counts: Counter = Counter()
+    cap = {False: d.max_samples, True: d.heldout_max if d.heldout_fraction > 0 else 0}
+
+    def items():
+        taken = {False: 0, True: 0}
+        for rid, conv in iter_source_records(d.source, counts):
+            held = is_heldout(conv.key, cfg.train.seed, d.heldout_fraction)
+            if cap[held] is None or taken[held] < cap[held]:
+                taken[held] += 1
+                yield rid, conv, not held
+            if all(cap[h] is not None and taken[h] >= cap[h] for h in (False, True)):
+                return
+
+    total = None if d.max_samples is None else d.max_samples + cap[True]
+    log.info(f"data.regenerate: the target rewrites {d.max_samples or 'all'} training conversations of "
+             f"{d.source!r} into {out_path} on {device}")
+    hf = load_generation_model(cfg.model.target, device)
+    regenerate_dataset(hf, tokenizer, items(), out_path, settings, batch_size=64 if device.type == "cuda" else 8,
+                       total=total, replace_mismatch=cfg.run.overwrite)
+    del hf
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return dataclasses.replace(d, source=str(out_path), regenerate=False)
+
+
+def run_regenerate_cli(args) -> int:
+    from ..models.target import load_tokenizer
+    from ..training.trainer import resolve_device
+
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1.")
+    if args.temperature < 0:
+        raise UserError("--temperature must be 0 (greedy) or positive.")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise UserError("--max-samples must be at least 1.")
+    out_path = Path(args.out)
+    if out_path.suffix != ".jsonl":
+        raise UserError(f"--out {args.out!r} must be a .jsonl file (one conversation per line).")
+    if args.data == "synthetic":
+        raise DataError("regenerate needs chat data: pass --data sharegpt or a .json/.jsonl chat file.")
+    settings = RegenerateSettings(source=args.data, target=str(args.target or "smollm2"),
+                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  single_turn=args.single_turn, max_length=args.max_length, seed=args.seed)
+    with open_source(args.data):  # a bad --data fails here, before the model loads
+        pass
+    check_settings(out_path, settings, replace=False)
+    device = resolve_device(args.device)
+    tokenizer = load_tokenizer(args.target)
+    hf = load_generation_model(args.target, device)
+    counts: Counter = Counter()
+    stats = regenerate_dataset(hf, tokenizer, _select(args.data, args.max_samples, counts), out_path, settings,
+                               args.batch_size, total=args.max_samples)
+    skipped = {k.removeprefix("skip:"): n for k, n in counts.items() if k.startswith("skip:")}
+    if skipped:
+        log.info("source records skipped as unusable: " + ", ".join(f"{k}={n}" for k, n in sorted(skipped.items())))
+    print(stats.line())
+    print(f"wrote {out_path} (train on it with data.source={out_path})")
+    return 0
