@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import sys
+import traceback
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     import torch
 
     import cases  # noqa: F401 - registers the benchmarks
-    from harness import BENCHMARKS, SUITES, Context
+    from harness import BENCHMARKS, SUITES, Context, Row, first_line
 
     suite = SUITES[args.suite]
     if args.budget_s is not None:
@@ -57,6 +58,8 @@ def main(argv=None) -> int:
         suite.iters = args.iters
     if args.docs is not None:
         suite.num_docs = args.docs
+    if suite.cpu_threads:
+        torch.set_num_threads(suite.cpu_threads)
     if suite.device == "cuda" and not torch.cuda.is_available():
         print("error: the gpu suite needs CUDA; use --suite cpu-smoke on this machine", file=sys.stderr)
         return 2
@@ -73,7 +76,12 @@ def main(argv=None) -> int:
             f"{meta['transformers']}; benchmarks: {', '.join(names)}")
     for name in names:
         fn, _help = BENCHMARKS[name]
-        fn(ctx)
+        try:
+            fn(ctx)   # variants catch their own failures; this catches a benchmark's setup
+        except Exception as e:  # noqa: BLE001 - the run goes on to the next benchmark
+            traceback.print_exc()
+            ctx.rows.append(Row(name, "setup", status="error", note=f"{type(e).__name__}: {first_line(e)}",
+                                extra={"traceback": traceback.format_exc()[-8000:]}))
     ratios = derive_ratios(ctx.rows)
     out = Path(args.json) if args.json else Path(os.environ.get("OUT") or ".") / "bench_results.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ class Suite:
     iters: int = 10
     compile_backend: str | None = None   # None = inductor; 'aot_eager' traces without code generation (CPU smoke)
     budget_s: float = math.inf           # skip variants that would start past this many seconds into the run
+    cpu_threads: int | None = None       # torch intra-op threads (tiny CPU shapes: 1, robust on a busy machine)
 
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -54,7 +55,7 @@ SUITES = {
                  target_compile_seqs=[4096, 2048], warmup=3, iters=10, budget_s=450.0),
     "cpu-smoke": Suite("cpu-smoke", "cpu", torch.float32, matmul_n=256, target=TINY, num_taps=3, draft_layers=2,
                        block_size=4, token_budget=64, num_anchors=8, target_seqs=[32, 64], target_compile_seqs=[64],
-                       num_docs=2, warmup=1, iters=2, compile_backend="aot_eager"),
+                       num_docs=2, warmup=1, iters=2, compile_backend="aot_eager", cpu_threads=1),
 }
 
 
