@@ -127,7 +127,7 @@ class DrafterRig:
 
 
 def reference_step(rig: DrafterRig, b, feats):
-    """The straightforward step the issue measured (490 ms at the Qwen3-8B shape): dense [A*B, T+A*B] boolean mask
+    """The straightforward step the issue measured as its starting point: dense [A*B, T+A*B] boolean mask
     + SDPA, all A*(B-1) x V logits in fp32 at once, plain autograd cross-entropy, eager."""
     cfg, st = rig.cfg, rig.step
     B, A = cfg.block_size, b.anchors.shape[0]
