@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..errors import UserError
 from ..models.drafter import DFlashDrafter, DrafterConfig
@@ -188,7 +189,8 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
         target_generate(t_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature, stop_ids, gen)
         speculative_generate(t_run, d_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature,
                              stop_ids, gen)
-    for i, prompt in enumerate(prompts_token_ids):
+    bar = tqdm(prompts_token_ids, desc="evaluating", unit="prompt", disable=None, leave=False)  # no bar off a TTY
+    for i, prompt in enumerate(bar):
         base = target_generate(t_run, prompt, max_new_tokens, temperature, stop_ids, gen)
         spec = speculative_generate(t_run, d_run, prompt, max_new_tokens, temperature, stop_ids, gen)
         rep = PromptReport(len(prompt), base.tokens, spec.tokens, spec.accept_lengths, base.seconds, spec.seconds)
