@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, fields
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -131,7 +131,9 @@ class BatchSchedule:
     def __len__(self) -> int:
         return self.max_batches
 
-    def iter_from(self, start: int = 0) -> Iterable[TrainBatch]:
+    def iter_from(self, start: int = 0, keep: Callable[[int], bool] | None = None) -> Iterable[TrainBatch]:
+        """Batches `start`, `start + 1`, ...; with `keep`, only those whose index it accepts are built (a process's
+        shard of a multi-process run: rows are still packed per epoch, but anchors are sampled for its own only)."""
         index, epoch = 0, 0
         while index < self.max_batches:
             rows = epoch_rows(self.samples, self.token_budget, epoch, self.seed, self.pad_id)
@@ -142,7 +144,7 @@ class BatchSchedule:
             for row in rows:
                 if index >= self.max_batches:
                     return
-                if index >= start:
+                if index >= start and (keep is None or keep(index)):
                     yield make_batch(row, self.num_anchors, self.seed, index, epoch)
                 index += 1
             epoch += 1

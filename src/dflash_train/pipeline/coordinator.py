@@ -7,6 +7,10 @@ Startup: drafters one at a time (each compiles and warms up; `ready` when done),
 forward each), then the recompile guard is armed and the prefetcher and loader start. The main thread only
 supervises: the first worker failure, a stalled worker or a signal (SIGINT/SIGTERM) stops every thread; a failure
 is re-raised naming the worker with its full traceback, a signal writes a checkpoint first.
+
+Under torchrun every process runs all of this over its own devices; pipeline/distributed.py ties them together
+(sharded data, one gradient all-reduce per step, a start gate, statuses so that one rank's failure stops all).
+Only global rank 0 logs step lines and writes checkpoints, plots and the final drafter.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..models.checkpoint import save_drafter
 from ..models.target import load_target
 from ..training.budget import TimeBudget
@@ -33,10 +37,11 @@ from ..training.run import build_run, prepare_out_dir
 from ..training.step import resolve_compile_mode
 from ..training.trainer import TrainResult
 from .devices import cpu_threads_per_worker, resolve_pipeline_devices
-from .drafter_worker import DrafterWorker, RecompileGuard
+from .distributed import DistributedSync, config_fingerprint, faults_apply_here
+from .drafter_worker import DrafterWorker, RecompileGuard, weights_checksum
 from .faults import FaultPlan
 from .gradsync import GradAverager
-from .loader import LoaderWorker, dummy_batch
+from .loader import DataShard, LoaderWorker, dummy_batch
 from .prefetch import Prefetcher
 from .reporter import StepReporter
 from .target_worker import TargetWorker
@@ -55,24 +60,34 @@ class PipelineResult(TrainResult):
 
 
 def train_pipeline(cfg: Config) -> PipelineResult:
-    target_devices, drafter_devices = resolve_pipeline_devices(cfg.pipeline)
-    faults = FaultPlan.from_env()
-    out = prepare_out_dir(cfg)
-    with run_log_file(out), cpu_thread_budget(target_devices + drafter_devices):
-        return _Pipeline(cfg, target_devices, drafter_devices, faults).run()
+    # Under torchrun, join the other processes before anything can fail: whatever fails below then reaches them.
+    with DistributedSync.from_env(cfg.pipeline.stall_timeout_s) as peers:
+        if peers.enabled and cfg.data.regenerate:
+            raise ConfigError("data.regenerate would regenerate the data on every rank: run `dflash-train regenerate` "
+                              "once and point data.source at its output, or data.regenerate=false.")
+        target_devices, drafter_devices = resolve_pipeline_devices(cfg.pipeline)
+        peers.use_device(drafter_devices[0])
+        faults = FaultPlan.from_env() if faults_apply_here() else FaultPlan([])
+        out = prepare_out_dir(cfg)
+        log_name = "run.log" if peers.is_rank0 else f"run.rank{peers.rank}.log"
+        # The processes of one node share its cores as well.
+        with run_log_file(out, log_name), cpu_thread_budget((target_devices + drafter_devices) * peers.local_world):
+            return _Pipeline(cfg, target_devices, drafter_devices, faults, peers).run()
 
 
 class _Pipeline:
-    def __init__(self, cfg: Config, target_devices, drafter_devices, faults: FaultPlan):
-        self.cfg, self.n = cfg, len(drafter_devices)
-        self.run_setup = build_run(cfg, batches_per_step=self.n)
+    def __init__(self, cfg: Config, target_devices, drafter_devices, faults: FaultPlan, peers: DistributedSync):
+        self.cfg, self.n, self.peers = cfg, len(drafter_devices), peers
+        self.shard = DataShard(self.n, peers.rank, peers.world)
+        self.run_setup = build_run(cfg, batches_per_step=self.shard.global_replicas)
         self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints)
         init, state = self._resume_point()
         self.start_step = state["step"] if state else 0
         targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d) for d in target_devices]
         self.control = RunControl()
-        self.logger = MetricsLogger(self.run_setup.out_dir, self.run_setup.total_steps,
-                                    cfg.train.token_budget * self.n, cfg.train.log_every, start_step=self.start_step)
+        self.logger = MetricsLogger(self.run_setup.out_dir if peers.is_rank0 else None, self.run_setup.total_steps,
+                                    cfg.train.token_budget * self.shard.global_replicas, cfg.train.log_every,
+                                    start_step=self.start_step)
         try:
             self._build_workers(targets, target_devices, drafter_devices, init, state, faults)
         except BaseException:
@@ -96,7 +111,7 @@ class _Pipeline:
         inboxes = [queue.Queue(1) for _ in drafter_devices]     # DrafterInput: 1 here + 1 being trained
         in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
         self.guard = RecompileGuard(resolve_compile_mode(cfg.train.compile, drafter_devices[0]) != "eager")
-        gradsync = GradAverager(self.n)
+        self.gradsync = gradsync = GradAverager(self.n, self.peers)
         embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed
         self.drafters = [DrafterWorker(r, c, faults, d, self.run_setup, init, state, self.start_step, embed_w, head_w,
                                        inboxes[r], gradsync, self.guard, self.logger.should_log)
@@ -105,16 +120,19 @@ class _Pipeline:
         self.targets = [TargetWorker(i, c, faults, t, d, batches, feats, warm)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]
         self.reporter = StepReporter(self.logger, self.ckpt, cfg.train.checkpoint_every, self.run_setup.total_steps,
-                                     self.n, batches, feats, self.targets, self.drafters)
-        self.drafters[0].reporter = self.reporter
-        self.budget = TimeBudget(cfg.train.max_minutes, replicas=self.n)
+                                     self.shard.global_replicas, batches, feats, self.targets, self.drafters)
+        self.drafters[0].reporter = self.reporter if self.peers.is_rank0 else None
+        # Rank 0's clock alone decides; its decision reaches the other ranks in the next step's all-reduce.
+        self.budget = TimeBudget(cfg.train.max_minutes if self.peers.is_rank0 else None,
+                                 replicas=self.shard.global_replicas)
+        gradsync.budget = self.budget
         for d in self.drafters:
             d.budget = self.budget
         self.prefetch = Prefetcher(c, feats, inboxes, drafter_devices, [w.stream for w in self.drafters],
-                                   len(targets), start_batch, in_flight)
+                                   len(targets), start_batch, in_flight, shard=self.shard)
         uses_cuda = any(d.type == "cuda" for d in target_devices + drafter_devices)
         self.loader = LoaderWorker(c, faults, self.run_setup.schedule, start_batch, batches, in_flight, len(targets),
-                                   pin_memory=uses_cuda)
+                                   pin_memory=uses_cuda, shard=self.shard)
         self.workers: list[Worker] = [*self.drafters, *self.targets, self.prefetch, self.loader]
 
     # ------------------------------------------------------------------ run
@@ -134,13 +152,18 @@ class _Pipeline:
         d0 = self.drafters[0]
         if self.control.interrupted:
             log.warning(f"{self.control.interrupted}: stopped after step {d0.steps_done}; writing a checkpoint")
-            saved = self._save(d0) if d0.steps_done > self.start_step else "no new step to save"
+            saved = "no new step to save" if d0.steps_done == self.start_step else \
+                self._save(d0) if self.peers.is_rank0 else "rank 0 writes the checkpoint"
             raise KeyboardInterrupt(f"stopped by {self.control.interrupted} after step {d0.steps_done}: {saved}")
         self._check_replicas_identical()
-        self._save(d0)
-        final = save_drafter(d0.drafter, self.run_setup.out_dir / "drafter")
-        write_training_plots(self.run_setup.out_dir, self.logger.history)
-        log.info(f"done: {d0.steps_done} steps on {self.n} replica(s); servable drafter in {final}")
+        self.peers.bye([float(weights_checksum(d0.params)), sum(d0.checksums)])  # identical on every rank too
+        final = self.run_setup.out_dir / "drafter"
+        if self.peers.is_rank0:
+            self._save(d0)
+            final = save_drafter(d0.drafter, final)
+            write_training_plots(self.run_setup.out_dir, self.logger.history)
+        ranks = f" x {self.peers.world} processes" if self.peers.enabled else ""
+        log.info(f"done: {d0.steps_done} steps on {self.n} replica(s){ranks}; servable drafter in {final}")
         checksums = [list(c) for c in zip(*(d.checksums for d in self.drafters))]
         return PipelineResult(self.run_setup.out_dir, final, d0.steps_done, self.logger.history, checksums,
                               self.reporter.run_fractions(), [d.batch_indices for d in self.drafters])
@@ -153,6 +176,11 @@ class _Pipeline:
         for t in self.targets:
             t.start()
         if not self._supervise(lambda: all(t.ready.is_set() for t in self.targets)):
+            return
+        self.peers.gate({"local replicas": self.n, "start step": self.start_step,  # every rank is ready and agrees
+                         "total steps": self.run_setup.total_steps, "gradient + metric size": self.gradsync.step_numel,
+                         "run config": config_fingerprint(self.cfg)})
+        if self.control.stop.is_set():
             return
         self.guard.arm()
         self.reporter.restart_window()
@@ -190,7 +218,7 @@ class _Pipeline:
 
     def _save(self, d0: DrafterWorker) -> Path:
         return self.ckpt.save(d0.steps_done, d0.drafter, d0.optimizer, d0.scheduler,
-                              data_position=d0.steps_done * self.n)
+                              data_position=d0.steps_done * self.shard.global_replicas)
 
     def _check_replicas_identical(self) -> None:
         ref = self.drafters[0].drafter.state_dict()
@@ -203,10 +231,10 @@ class _Pipeline:
 # ---------------------------------------------------------------------------------------------- run scope
 
 @contextmanager
-def run_log_file(out_dir: Path):
-    """Everything the 'dflash_train' logger says during the run also goes to <out_dir>/run.log."""
+def run_log_file(out_dir: Path, name: str = "run.log"):
+    """Everything the 'dflash_train' logger says during the run also goes to <out_dir>/<name>."""
     logger = logging.getLogger("dflash_train")
-    handler = logging.FileHandler(out_dir / "run.log")
+    handler = logging.FileHandler(out_dir / name)
     handler.setFormatter(logging.Formatter("%(asctime)s %(threadName)s %(levelname)s %(message)s"))
     old_level = logger.level
     if logger.getEffectiveLevel() > logging.INFO:

@@ -17,8 +17,8 @@ from ..config import ConfigError, PipelineConfig
 
 def _parse_device(name: str, key: str) -> torch.device:
     name = str(name).strip()
-    if name == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if name == "auto":  # under torchrun each process of a node takes its own GPU: cuda:LOCAL_RANK
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     if name.isdigit():  # `[0]` / `[1, 2, 3]`: GPU indices
         name = f"cuda:{name}"
     try:

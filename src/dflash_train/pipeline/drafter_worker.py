@@ -95,7 +95,8 @@ class DrafterWorker(Worker):
         feats = torch.zeros(cfg.token_budget, self.drafter.fc.in_features, device=self.device,
                             dtype=self.step_fn.dtype)  # [T, k*H]
         for _ in range(1 if self.step_fn.compile_mode == "eager" else 2):
-            self.step_fn(batch, feats)
+            metrics = self.step_fn(batch, feats)
+        self.gradsync.prepare(self.replica, self.params, metrics)  # the all-reduce buffer's layout, before step 1
         self.optimizer.zero_grad(set_to_none=False)  # in place: DrafterStep's .grad buffers are persistent
 
     def loop(self) -> None:

@@ -1,7 +1,8 @@
 """Stage 3, the prefetcher: restore batch order, pick the replica, copy batch + features to its device.
 
-Dispatch is a pure function of the batch index (batch i -> replica i % N, in increasing i), so which replica
-trains which batch never depends on thread timing. Target workers may finish out of order: items wait in
+Dispatch is a pure function of the batch index (batch i -> replica i % N, in increasing i; with several processes
+this process's own batches, see loader.DataShard), so which replica trains which batch never depends on thread
+timing. Target workers may finish out of order: items wait in
 `pending` until their turn (bounded by the loader's in-flight semaphore).
 
 On CUDA the copies run on one side stream per drafter device, after the target's `ready` event; a new `ready`
@@ -19,6 +20,7 @@ import torch
 
 from ..data.packing import TrainBatch
 from .devices import new_stream, record_event
+from .loader import DataShard
 from .target_worker import FeatureItem
 from .worker import END_OF_DATA, RunControl, Worker
 
@@ -33,10 +35,11 @@ class DrafterInput:
 class Prefetcher(Worker):
     def __init__(self, control: RunControl, inbox: queue.Queue, outboxes: list[queue.Queue],
                  drafter_devices: list[torch.device], drafter_streams: list, num_targets: int, first_index: int,
-                 in_flight: threading.Semaphore):
+                 in_flight: threading.Semaphore, shard: DataShard | None = None):
         super().__init__("prefetch", control)
         self.inbox, self.outboxes, self.devices, self.drafter_streams = inbox, outboxes, drafter_devices, drafter_streams
-        self.num_targets, self.next_index, self.in_flight = num_targets, first_index, in_flight
+        self.shard = shard or DataShard(len(outboxes))
+        self.num_targets, self.next_index, self.in_flight = num_targets, self.shard.next_owned(first_index), in_flight
         self.copy_streams = {d: new_stream(d) for d in set(drafter_devices)}
 
     def loop(self) -> None:
@@ -49,10 +52,10 @@ class Prefetcher(Worker):
                 continue
             pending[item.batch.index] = item
             while self.next_index in pending:
-                replica = self.next_index % len(self.outboxes)
+                replica = self.shard.local_replica(self.next_index)
                 self.put(self.outboxes[replica], self._to_drafter(pending.pop(self.next_index), replica))
                 self.in_flight.release()
-                self.next_index += 1
+                self.next_index = self.shard.next_owned(self.next_index + 1)
         if pending:
             raise RuntimeError(f"batches {sorted(pending)[:8]} arrived but batch {self.next_index} never did")
         for box in self.outboxes:

@@ -4,6 +4,8 @@ the run directory, tokenizer, data, the batch schedule, target sizes and a fresh
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +55,11 @@ def prepare_out_dir(cfg: Config) -> Path:
             raise ConfigError(f"{out} already holds a different run; choose another run.out_dir, or pass "
                               "run.overwrite=true to train over it.")
     out.mkdir(parents=True, exist_ok=True)
-    saved.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    # Written whole, then renamed: the processes of a torchrun launch all do this, and none may read a partial file.
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{RUN_CONFIG_NAME}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    os.replace(tmp, saved)
     return out
 
 
