@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from .errors import UserError
@@ -124,4 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if "TORCHELASTIC_ERROR_FILE" in os.environ:  # under torchrun: its failure summary then shows each rank's error
+        from torch.distributed.elastic.multiprocessing.errors import record
+        sys.exit(record(main)())
     sys.exit(main())

@@ -129,12 +129,13 @@ class DistributedSync:
         self._step_buffer = flat
 
     # ------------------------------------------------------------------ the collectives
-    def gate(self, values: dict[str, int]) -> None:
-        """After startup, before the first step: every rank is ready, and all agree on `values` (GATE_KEYS)."""
+    def gate(self, values: dict[str, int], beat: Callable[[], None] | None = None) -> None:
+        """After startup, before the first step: every rank is ready, and all agree on `values` (GATE_KEYS).
+        `beat` is called while waiting for slower ranks (e.g. a watchdog's heartbeat)."""
         if not self.enabled:
             return
         with self._lock:
-            rows = self._exchange_rows(OK, [float(values[k]) for k in GATE_KEYS], "the start gate")
+            rows = self._exchange_rows(OK, [float(values[k]) for k in GATE_KEYS], "the start gate", beat)
             self.phase = "step"
         for i, key in enumerate(GATE_KEYS, start=1):
             seen = [int(v) for v in rows[:, i].tolist()]
@@ -162,17 +163,19 @@ class DistributedSync:
             self._check([int(v) for v in values[1:]], status)
         return int(values[0]) - 1 if values[0] > 0 else None
 
-    def bye(self, checksums: list[float]) -> None:
-        """After the last step: every rank finished, and all replicas everywhere hold the same weights."""
+    def bye(self, checksums: list[float], beat: Callable[[], None] | None = None) -> None:
+        """After the last step: every rank finished, and all replicas everywhere hold the same weights.
+        `checksums`: [final weights checksum, sum of the per-step checksums] of replica 0."""
         if not self.enabled:
             return
         with self._lock:
-            rows = self._exchange_rows(OK, checksums, "the end of training")
+            rows = self._exchange_rows(OK, checksums, "the end of training", beat)
             self.phase = "done"
         for r, row in enumerate(rows[:, 1:].tolist()):
             if row != rows[self.rank, 1:].tolist():
                 raise RuntimeError(f"rank {r}'s weights differ from rank {self.rank}'s after training (checksums "
                                    f"{row} vs {rows[self.rank, 1:].tolist()}): a gradient-sync bug.")
+        log.info(f"replicas identical on all {self.world} ranks after every step (weights checksum {checksums[0]:.6f})")
 
     def leave(self, status: int) -> None:
         """Tell the other ranks that this one stops (FAILED or INTERRUPTED), in the collective they wait in next.
@@ -217,12 +220,13 @@ class DistributedSync:
         return False
 
     # ------------------------------------------------------------------ internals
-    def _exchange_rows(self, status: int, values: list[float], what: str) -> torch.Tensor:
+    def _exchange_rows(self, status: int, values: list[float], what: str,
+                       beat: Callable[[], None] | None = None) -> torch.Tensor:
         """All-gather one float64 row [status, *values] per rank (a sum where each rank fills its own row)."""
         rows = torch.zeros(self.world, 1 + len(values), dtype=torch.float64)
         rows[self.rank] = torch.tensor([float(status), *values], dtype=torch.float64)
         rows = rows.to(self.device)
-        self._all_reduce(rows, what, None)
+        self._all_reduce(rows, what, beat)
         rows = rows.cpu()
         self._check([int(s) for s in rows[:, 0].tolist()], status)
         return rows
