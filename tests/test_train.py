@@ -111,3 +111,14 @@ def test_out_dir_holding_a_different_run_is_refused(tiny_llama, tmp_path):
     other = tiny_cfg(tiny_llama, tmp_path / "run", **{"train.max_steps": 2, "train.lr": 1e-4})
     with pytest.raises(ConfigError, match="already holds a different run"):
         train_single_device(other)
+
+
+def test_compile_policy_is_applied_on_import():
+    """Trees off (worker threads) and donated buffers off (correct grads under per-function CUDA graphs)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    import dflash_train.training.step  # noqa: F401
+
+    assert inductor_config.triton.cudagraph_trees is False
+    assert functorch_config.donated_buffer is False
