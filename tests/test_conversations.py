@@ -175,7 +175,7 @@ def test_bad_sources_raise_one_clear_sentence(tmp_path, tok):
     cfg = lambda source: DataConfig(source=str(source))  # noqa: E731
     for source, match in [(tmp_path / "missing.jsonl", "does not exist"),
                           (tmp_path / "data.csv", "not a .json or .jsonl"),
-                          (tmp_path / "dir.json", "does not exist")]:
+                          (tmp_path / "dir.json", "is a directory")]:
         if source.name == "dir.json":
             source.mkdir()
         with pytest.raises(DataError, match=match) as e:

@@ -143,7 +143,7 @@ def test_recompile_guard_fails_loudly():
 
 
 def test_config_errors(tiny_llama, tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match="must look like worker:warmup"):
+    with pytest.raises(ConfigError, match="must look like worker:phase:kind"):
         parse_faults("drafter0:step=x:raise")
     with pytest.raises(ConfigError, match="is not a device"):
         train_pipeline(cfg_for(tiny_llama, tmp_path / "r", drafters=("gpu0",)))
@@ -179,7 +179,8 @@ def test_sigterm_stops_cleanly_and_checkpoints(tiny_llama, tmp_path):
             break
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130, err
+    assert proc.returncode == 0, err  # a scheduler's polite stop: a normal end after the checkpoint
+    assert "stopped by SIGTERM at step" in err.strip().splitlines()[-1]
     state = torch.load(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
                        / "training_state.pt", weights_only=False)
     assert state["step"] >= 3 and state["data_position"] == state["step"]

@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # a signal: the pipeline's summary line; SIGTERM after a clean stop exits 0
+        print(str(e) or "interrupted", file=sys.stderr)
+        return getattr(e, "exit_code", 130)
 
 
 if __name__ == "__main__":

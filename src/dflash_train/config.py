@@ -111,6 +111,8 @@ class TrainConfig:
                                          "training (loading, tokenizing and compile warm-up not counted), write the "
                                          "checkpoint and the drafter, and finish normally. The LR schedule keeps the "
                                          "length set by max_steps / epochs. Empty = no limit.")
+    nonfinite: str = _f("skip", "A step whose loss or gradients are NaN/Inf: skip (no update on any replica; the step "
+                                "is counted in the log line and the result) | stop (the run stops naming the step).")
 
     def __post_init__(self):
         if self.token_budget < 4:
@@ -126,7 +128,8 @@ class TrainConfig:
             raise ConfigError("train.betas must be a list of two floats, e.g. [0.9, 0.95].")
         for name, allowed in (("compile", ("auto", "eager", "default", "reduce-overhead")),
                               ("attention", ("auto", "sdpa", "flex")),
-                              ("dtype", ("auto", "bf16", "fp32"))):
+                              ("dtype", ("auto", "bf16", "fp32")),
+                              ("nonfinite", ("skip", "stop"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {', '.join(allowed)} "
                                   f"(got {getattr(self, name)!r}).")

@@ -221,6 +221,8 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
 
     train, heldout = [s for _, s in kept[False]], [s for _, s in kept[True]]
     skipped = {k.removeprefix("skip:"): n for k, n in sorted(counts.items()) if k.startswith("skip:")}
+    if not train and n_read == 0 and not skipped:
+        raise DataError(f"Data file {str(path)!r} holds no records; fill it with chat conversations or {SOURCE_HINT}.")
     if not train:
         raise DataError(f"Data file {str(path)!r} gave no usable training conversations (skipped: "
                         f"{skipped or 'none'}); check its format (ShareGPT 'conversations' or OpenAI 'messages' "

@@ -54,6 +54,9 @@ def open_source(source: str) -> Iterator[Path]:
     path = Path(source).expanduser()
     if path.suffix not in (".json", ".jsonl"):
         raise DataError(f"Data source {source!r} is not a .json or .jsonl file; {SOURCE_HINT}.")
+    if path.is_dir():
+        raise DataError(f"Data source {str(path)!r} is a directory, not a file; point data.source at the "
+                        ".json/.jsonl file inside it.")
     if not path.is_file():
         raise DataError(f"Data file {str(path)!r} does not exist; {SOURCE_HINT}.")
     yield path

@@ -6,7 +6,9 @@
 Startup: drafters one at a time (each compiles and warms up; `ready` when done), then the target workers (one warm
 forward each), then the recompile guard is armed and the prefetcher and loader start. The main thread only
 supervises: the first worker failure, a stalled worker or a signal (SIGINT/SIGTERM) stops every thread; a failure
-is re-raised naming the worker with its full traceback, a signal writes a checkpoint first.
+is re-raised naming the worker with its full traceback (one sentence for a UserError: data, disk, a non-finite loss),
+a signal writes a checkpoint first. The coordinator fails like a worker (named "coordinator"), and a `Watchdog`
+thread reports it when it stalls. docs/RELIABILITY.md lists every fault and its outcome.
 
 Under torchrun every process runs all of this over its own devices; pipeline/distributed.py ties them together
 (sharded data, one gradient all-reduce per step, a start gate, statuses so that one rank's failure stops all).
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError
+from ..errors import UserError
 from ..models.checkpoint import save_drafter
 from ..models.target import load_target
 from ..training.budget import TimeBudget
@@ -45,7 +48,8 @@ from .loader import DataShard, LoaderWorker, dummy_batch
 from .prefetch import Prefetcher
 from .reporter import StepReporter
 from .target_worker import TargetWorker
-from .worker import RunControl, Worker
+from .worker import (THREAD_PREFIX, RunControl, RunInterrupted, Stopped, Watchdog, Worker, describe_failure,
+                     describe_stall)
 
 log = logging.getLogger("dflash_train")
 JOIN_TIMEOUT_S = 10.0  # after stop, every thread leaves its wait within POLL_S; only a hung kernel takes longer
@@ -84,7 +88,11 @@ class _Pipeline:
         init, state = self._resume_point()
         self.start_step = state["step"] if state else 0
         targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d) for d in target_devices]
-        self.control = RunControl()
+        self.control = RunControl(faults)
+        self.faults, self.phase, self._steps_seen = faults, "startup", self.start_step
+        self._thread = threading.current_thread()
+        self.watchdog = Watchdog(self.control, cfg.pipeline.stall_timeout_s)
+        self.ckpt.mid_write = self._mid_checkpoint
         self.logger = MetricsLogger(self.run_setup.out_dir if peers.is_rank0 else None, self.run_setup.total_steps,
                                     cfg.train.token_budget * self.shard.global_replicas, cfg.train.log_every,
                                     start_step=self.start_step)
@@ -137,24 +145,21 @@ class _Pipeline:
 
     # ------------------------------------------------------------------ run
     def run(self) -> PipelineResult:
+        # Until the end: signals stop cleanly (a second one at once), the watchdog watches this thread.
+        with stop_on_signals(self.control), self.watchdog:
+            return self._run()
+
+    def _run(self) -> PipelineResult:
         try:
-            with stop_on_signals(self.control):
+            with self._as_coordinator():
                 self._start_and_supervise()
         finally:
             alive = self._shutdown()
             self.logger.close()
-        if self.control.failure is not None:
-            message = self.control.failure[1]
-            if alive:
-                message += f"\n(threads still running after stop: {', '.join(alive)})"
-            log.error(message)  # last in the log, so its tail always shows the cause
-            raise RuntimeError(message)
+        self._raise_failure(alive)
         d0 = self.drafters[0]
         if self.control.interrupted:
-            log.warning(f"{self.control.interrupted}: stopped after step {d0.steps_done}; writing a checkpoint")
-            saved = "no new step to save" if d0.steps_done == self.start_step else \
-                self._save(d0) if self.peers.is_rank0 else "rank 0 writes the checkpoint"
-            raise KeyboardInterrupt(f"stopped by {self.control.interrupted} after step {d0.steps_done}: {saved}")
+            raise self._interrupted(d0)
         self._check_replicas_identical()
         self.peers.bye([float(weights_checksum(d0.params)), sum(d0.checksums)])  # identical on every rank too
         final = self.run_setup.out_dir / "drafter"
@@ -165,8 +170,9 @@ class _Pipeline:
         ranks = f" x {self.peers.world} processes" if self.peers.enabled else ""
         log.info(f"done: {d0.steps_done} steps on {self.n} replica(s){ranks}; servable drafter in {final}")
         checksums = [list(c) for c in zip(*(d.checksums for d in self.drafters))]
-        return PipelineResult(self.run_setup.out_dir, final, d0.steps_done, self.logger.history, checksums,
-                              self.reporter.run_fractions(), [d.batch_indices for d in self.drafters])
+        return PipelineResult(self.run_setup.out_dir, final, d0.steps_done, self.logger.history, d0.skipped_steps,
+                              replica_checksums=checksums, stage_fractions=self.reporter.run_fractions(),
+                              replica_batches=[d.batch_indices for d in self.drafters])
 
     def _start_and_supervise(self) -> None:
         for d in self.drafters:  # one at a time: each compiles and captures alone
@@ -182,6 +188,8 @@ class _Pipeline:
                          "run config": config_fingerprint(self.cfg)})
         if self.control.stop.is_set():
             return
+        self._inject("startup")
+        self.phase = "steady"
         self.guard.arm()
         self.reporter.restart_window()
         self.budget.start()
@@ -198,27 +206,92 @@ class _Pipeline:
         while not done():
             if self.control.stop.is_set():
                 return False
+            self._coordinator_points()
             now = time.monotonic()
-            for w in self.workers:
-                if w.running and now - w.last_beat > timeout:
-                    self.control.fail(w.name, f"{w.name} stalled: no progress for {now - w.last_beat:.1f} s "
-                                              f"(pipeline.stall_timeout_s={timeout:g}); it is here:\n{w.stack()}")
-                    return False
+            if stale := [w for w in self.workers if w.running and now - w.last_beat > timeout]:
+                w = min(stale, key=lambda w: w.last_beat)  # silent the longest: others may be stuck behind it
+                self.control.fail(w.name, describe_stall(w.name, now - w.last_beat, timeout, w.thread))
+                return False
             self.control.stop.wait(SUPERVISE_POLL_S)
         return not self.control.stop.is_set()
 
     def _shutdown(self) -> list[str]:
         """Stop every thread and join it; returns the names of threads that did not finish in time."""
+        self.phase = "shutdown"
         self.control.stop.set()
+        with self._as_coordinator():
+            self._inject("shutdown")
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for w in self.workers:
-            if w.thread.ident is not None:
-                w.thread.join(max(0.0, deadline - time.monotonic()))
+            while w.thread.ident is not None and w.thread.is_alive() and time.monotonic() < deadline:
+                self.watchdog.beat()
+                w.thread.join(SUPERVISE_POLL_S)
         return [w.thread.name for w in self.workers if w.thread.is_alive()]
 
+    # ------------------------------------------------------------------ the coordinator's own faults and failures
+    @contextmanager
+    def _as_coordinator(self):
+        """What the coordinator raises in here fails the run like a worker's exception: named, with its traceback."""
+        try:
+            yield
+        except Stopped:
+            pass  # an injected stall of the coordinator, ended by the watchdog's failure report
+        except Exception as e:  # noqa: BLE001 - reported by _raise_failure
+            self.control.fail("coordinator", describe_failure("coordinator", e, self.phase), e)
+
+    def _inject(self, phase: str, n: int | None = None) -> None:
+        self.faults.check("coordinator", phase, self.control.failed, n)
+
+    def _coordinator_points(self) -> None:
+        """Each supervision poll: beat the watchdog; the coordinator's step and checkpoint fault points."""
+        self.watchdog.beat()
+        if self.phase == "steady":
+            while self._steps_seen < self.drafters[0].steps_done:
+                self._steps_seen += 1
+                self._inject("step", self._steps_seen)
+        self.faults.check_checkpoint("coordinator", self.control.failed)
+
+    def _mid_checkpoint(self) -> None:
+        """CheckpointManager.mid_write: the `checkpoint` fault point of whichever thread is writing."""
+        me = threading.current_thread()
+        if me is self._thread:
+            self.faults.in_checkpoint("coordinator", self.control.failed, any(w.running for w in self.workers))
+        else:
+            self.faults.in_checkpoint(me.name.removeprefix(THREAD_PREFIX), self.control.stop)
+
+    def _raise_failure(self, alive: list[str]) -> None:
+        if self.control.failure is None:
+            return
+        worker, message, exc = self.control.failure
+        if isinstance(exc, UserError):  # data, a full disk, a non-finite loss with train.nonfinite=stop
+            log.error(f"{worker}: {exc}")
+            raise UserError(f"{worker}: {exc}") from exc
+        if alive:
+            message += f"\n(threads still running after stop: {', '.join(alive)})"
+        log.error(message)  # last in the log, so its tail always shows the cause
+        raise RuntimeError(message)
+
+    def _interrupted(self, d0: DrafterWorker) -> RunInterrupted:
+        """After a signal: checkpoint the last complete step; the exception carries the one-line summary."""
+        why = self.control.interrupted
+        log.warning(f"{why}: stopped after step {d0.steps_done}; writing a checkpoint")
+        if d0.steps_done == self.start_step:
+            latest = self.ckpt.latest()
+            saved = f"no new step since the checkpoint at {latest}" if latest else "no step trained, no checkpoint"
+        else:
+            saved = f"checkpoint at {self._save(d0)}" if self.peers.is_rank0 else "rank 0 writes the checkpoint"
+        summary = f"stopped by {why} at step {d0.steps_done}; {saved}; resume with run.resume=auto"
+        log.warning(summary)
+        return RunInterrupted(why, summary)
+
     def _save(self, d0: DrafterWorker) -> Path:
-        return self.ckpt.save(d0.steps_done, d0.drafter, d0.optimizer, d0.scheduler,
-                              data_position=d0.steps_done * self.shard.global_replicas)
+        """The coordinator's checkpoint (final, or after a signal); a failure here fails the run like any other."""
+        self.watchdog.beat()
+        self.phase = "checkpoint"
+        with self._as_coordinator():
+            return self.ckpt.save(d0.steps_done, d0.drafter, d0.optimizer, d0.scheduler,
+                                  data_position=d0.steps_done * self.shard.global_replicas)
+        self._raise_failure([])
 
     def _check_replicas_identical(self) -> None:
         ref = self.drafters[0].drafter.state_dict()
@@ -262,15 +335,18 @@ def cpu_thread_budget(devices: list[torch.device]):
 
 @contextmanager
 def stop_on_signals(control: RunControl):
-    """SIGINT/SIGTERM -> a clean stop (and a checkpoint); a second one interrupts at once. Main thread only."""
+    """SIGINT/SIGTERM -> a clean stop (and a checkpoint); a second one interrupts at once, even mid-checkpoint.
+    Main thread only."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, _frame):
+        name = signal.Signals(signum).name
         if control.interrupted:  # the second signal aborts at once (threads are still stopped and joined)
-            raise KeyboardInterrupt
-        control.interrupt(signal.Signals(signum).name)
+            raise KeyboardInterrupt(f"second {name}: stopped at once, without a checkpoint")
+        control.interrupt(name)
+        log.warning(f"{name}: stopping after the current step to write a checkpoint (again to stop at once)")
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -9,20 +9,23 @@ prove it. Replica 0 also reports: log lines and checkpoints happen on its thread
 from __future__ import annotations
 
 import copy
+import logging
 import queue
 from typing import Callable
 
 import torch
 
 from ..models.drafter import DFlashDrafter
-from ..training.optim import build_optimizer, build_scheduler
+from ..training.optim import apply_update, build_optimizer, build_scheduler
 from ..training.run import RunSetup
 from ..training.step import DrafterStep
 from .devices import new_stream, wait_event
-from .faults import FaultPlan
+from .faults import FaultPlan, poison_
 from .gradsync import GradAverager
 from .loader import dummy_batch
 from .worker import END_OF_DATA, RunControl, Worker
+
+log = logging.getLogger("dflash_train")
 
 
 class RecompileGuard:
@@ -69,6 +72,7 @@ class DrafterWorker(Worker):
         self.batch_indices: list[int] = []  # the data positions it trained on, in order
         self._pending_checksums: list[torch.Tensor] = []
         self.budget = None  # TimeBudget shared by all replicas (train.max_minutes), set by the coordinator
+        self.skipped_steps = 0  # steps without an update: non-finite averaged gradients (train.nonfinite=skip)
 
     def setup(self) -> None:
         cfg = self.run.cfg.train
@@ -84,7 +88,6 @@ class DrafterWorker(Worker):
         # Its own tag -> its own code object -> its own compile cache and CUDA graphs (see training/step.py).
         self.step_fn = DrafterStep(self.drafter, self.embed_w, self.head_w, cfg, self.device, tag=str(self.replica))
         self._warm_up()
-        self.faults.check(self.name, "warmup", self.control.stop)
 
     def _warm_up(self) -> None:
         """Compile (and on CUDA capture graphs) on a dummy batch of the real shapes, twice so that anything
@@ -100,25 +103,27 @@ class DrafterWorker(Worker):
         self.optimizer.zero_grad(set_to_none=False)  # in place: DrafterStep's .grad buffers are persistent
 
     def loop(self) -> None:
-        clip = self.run.cfg.train.grad_clip
+        clip, nonfinite = self.run.cfg.train.grad_clip, self.run.cfg.train.nonfinite
         for step in range(self.steps_done, self.run.total_steps):
             item = self.get(self.inbox)
             if item is END_OF_DATA:
                 raise RuntimeError(f"the data ended after {step} steps, before step {self.run.total_steps}")
-            self.faults.check(self.name, "step", self.control.stop, step)
+            fault = self.faults.check(self.name, "step", self.control.stop, step)
             wait_event(item.ready, self.device)  # the prefetcher's copies are done
             self.batch_indices.append(item.batch.index)
             with self.clock.busy():
                 metrics = self.step_fn(item.batch, item.feats)
+            if fault:  # injected nan/inf: this replica's loss and gradients
+                poison_(fault, metrics["loss"], *(p.grad for p in self.params))
             del item  # the batch's device memory can be reused as soon as the step's kernels are done
             log_step = self.is_log_step(step + 1)
             metrics = self.gradsync.all_reduce(self, self.replica, self.params, metrics if log_step else None)
-            with self.clock.busy():  # exactly the single-device trainer's sequence
-                if clip > 0:
-                    torch.nn.utils.clip_grad_norm_(self.params, clip)
-                self.optimizer.step()
-                self.scheduler.step()
-                self.optimizer.zero_grad(set_to_none=False)  # in place (see training/step.py)
+            with self.clock.busy():  # the single-device trainer's update; the same skip decision on every replica
+                if not apply_update(self.params, self.optimizer, self.scheduler, clip, nonfinite, step + 1):
+                    self.skipped_steps += 1
+                    if self.replica == 0:
+                        log.warning(f"step {step + 1}: non-finite loss or gradients, update skipped on every "
+                                    f"replica ({self.skipped_steps} so far)")
             self.steps_done = step + 1
             self._pending_checksums.append(weights_checksum(self.params))
             self.guard.check(self.name, step + 1)

@@ -1,24 +1,43 @@
-"""Fault injection for tests: `DFLASH_FAULT="<worker>:<point>:<action>[,...]"`, checked at named points in workers.
+"""Fault injection for tests: `DFLASH_FAULT="<worker>:<phase>:<kind>[,...]"`, checked at named points of the run.
 
-  worker  loader | target<i> | prefetch | drafter<i>
-  point   warmup (end of a worker's setup) | step=<n> (the worker's n-th item, 0-based; for drafters the
-          optimizer step index)
-  action  raise (an InjectedFault exception) | stall (stop beating until the run is stopped)
+  worker  loader | target<i> | prefetch | drafter<i> | coordinator (the main thread: supervision, final checkpoint)
+  phase   startup      end of the worker's setup (the coordinator: every worker ready, before the first step)
+          step=<n>     steady state: the loader's and a target's n-th item (0-based), the prefetcher's batch n,
+                       a drafter's optimizer step n (0-based), the coordinator once n steps are done
+          checkpoint   while a checkpoint is being written: the writer (drafter0 for periodic ones, the coordinator
+          checkpoint=<n> for the final or signal one) after the weights and before the training state; any other
+                       worker at its next wait while the writer holds the write open. <n>: only the n-th checkpoint
+                       written by this run (0-based); bare: the first.
+          shutdown     after the worker's loop ended normally (the coordinator: while it stops and joins the threads)
+          warmup       an old name of startup
+  kind    raise  an InjectedFault exception      oom  a torch.OutOfMemoryError (what CUDA raises), on any device
+          stall  stop beating until the run is stopped (the coordinator: until the run has failed), then unwind
+          nan / inf  poison the step's values: a drafter's loss and gradients, a target's features (step=<n> only)
 
-e.g. DFLASH_FAULT="drafter0:warmup:raise", "target0:step=3:raise", "drafter1:step=2:stall". Unset: no faults.
+e.g. DFLASH_FAULT="drafter0:startup:raise", "target0:step=3:nan", "drafter0:checkpoint=1:raise",
+"coordinator:shutdown:stall". Every fault fires at most once. Unset: no faults, and every check is a no-op.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+
+import torch
 
 from ..config import ConfigError
 from .worker import Stopped
 
 ENV_VAR = "DFLASH_FAULT"
-ACTIONS = ("raise", "stall")
+KINDS = ("raise", "stall", "oom", "nan", "inf")
+VALUE_KINDS = ("nan", "inf")  # returned to the caller, which poisons its own tensors
+_FAULT = re.compile(r"(?P<worker>loader|prefetch|coordinator|target\d+|drafter\d+):"
+                    r"(?P<phase>startup|warmup|shutdown|step=(?P<step>\d+)|checkpoint(=(?P<ckpt>\d+))?):"
+                    r"(?P<kind>[a-z]+)")
+CHECKPOINT_WINDOW_S = 5.0  # how long a writer holds a checkpoint open for other workers' checkpoint faults
 
 
 class InjectedFault(RuntimeError):
@@ -28,48 +47,97 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     worker: str
-    point: str        # "warmup" or "step"
-    step: int | None  # for point == "step"
-    action: str
+    phase: str        # startup | step | checkpoint | shutdown
+    n: int | None     # step=<n> / checkpoint=<n>
+    kind: str
+    spec: str = field(default="", compare=False)  # as written, for messages
 
     def __str__(self):
-        point = f"step={self.step}" if self.point == "step" else self.point
-        return f"{self.worker}:{point}:{self.action}"
+        return self.spec or f"{self.worker}:{self.phase}{'' if self.n is None else f'={self.n}'}:{self.kind}"
 
 
 def parse_faults(text: str | None) -> list[Fault]:
     faults = []
     for spec in filter(None, (s.strip() for s in (text or "").split(","))):
-        parts = spec.split(":")
-        ok = len(parts) == 3 and parts[2] in ACTIONS
-        point, step = (parts[1], None) if ok else ("", None)
-        if ok and point.startswith("step="):
-            ok = point[5:].isdigit()
-            point, step = "step", int(point[5:]) if ok else None
-        elif ok and point != "warmup":
-            ok = False
-        if not ok:
-            raise ConfigError(f"{ENV_VAR} entry {spec!r} must look like worker:warmup|step=N:raise|stall, "
-                              "e.g. drafter0:step=2:raise.")
-        faults.append(Fault(parts[0], point, step, parts[2]))
+        m = _FAULT.fullmatch(spec)
+        if m is None or m["kind"] not in KINDS:
+            raise ConfigError(f"{ENV_VAR} entry {spec!r} must look like worker:phase:kind (phase startup, step=N, "
+                              f"checkpoint[=N] or shutdown; kind {', '.join(KINDS)}), e.g. drafter0:step=2:raise.")
+        phase = m["phase"].partition("=")[0].replace("warmup", "startup")
+        n = m["step"] or m["ckpt"]
+        fault = Fault(m["worker"], phase, int(n) if n is not None else (0 if phase == "checkpoint" else None),
+                      m["kind"], spec)
+        if fault.kind in VALUE_KINDS and (fault.phase != "step" or not fault.worker.startswith(("drafter", "target"))):
+            raise ConfigError(f"{ENV_VAR} entry {spec!r}: {fault.kind} poisons a step's values, so it needs a drafter "
+                              "or target worker and a step=N phase, e.g. drafter1:step=3:nan.")
+        faults.append(fault)
     return faults
 
 
-class FaultPlan:
-    """The faults of one run; `check` is called by workers at their named points."""
+def poison_(kind: str, *tensors: torch.Tensor) -> None:
+    """What a `nan` / `inf` fault does to a step: overwrite its tensors in place."""
+    for t in tensors:
+        t.fill_(float(kind))
 
-    def __init__(self, faults: list[Fault]):
-        self.faults = faults
+
+class FaultPlan:
+    """The faults of one run. Threads call `check` at their named points; checkpoint writers call `in_checkpoint`."""
+
+    def __init__(self, faults: list[Fault] | None = None):
+        self.faults = list(faults or [])
+        self._lock = threading.Lock()
+        self._fired: set[Fault] = set()
+        self._checkpoints = 0                 # checkpoints started so far
+        self.checkpoint_open: int | None = None  # index of the checkpoint a writer holds open, for other workers
 
     @classmethod
     def from_env(cls) -> "FaultPlan":
         return cls(parse_faults(os.environ.get(ENV_VAR)))
 
-    def check(self, worker: str, point: str, stop: threading.Event, step: int | None = None) -> None:
-        for f in self.faults:
-            if f.worker == worker and f.point == point and f.step == step:
-                if f.action == "raise":
-                    raise InjectedFault(f"injected fault {f}")
-                while not stop.wait(0.05):  # stall: no heartbeat, but leave when the run stops
-                    pass
-                raise Stopped
+    def check(self, worker: str, phase: str, release: threading.Event, n: int | None = None) -> str | None:
+        """Fire `worker`'s fault for this point, if any (once). Raises for raise/oom; a stall waits for `release`
+        without beating, then raises Stopped; nan/inf are returned for the caller to apply with poison_."""
+        if not self.faults:
+            return None
+        phase = "startup" if phase == "warmup" else phase
+        with self._lock:
+            fault = next((f for f in self.faults if f not in self._fired and f.worker == worker and f.phase == phase
+                          and f.n == n), None)
+            if fault is None:
+                return None
+            self._fired.add(fault)
+        if fault.kind == "raise":
+            raise InjectedFault(f"injected fault {fault}")
+        if fault.kind == "oom":
+            raise torch.OutOfMemoryError(f"injected fault {fault}: out of memory (simulated CUDA OOM)")
+        if fault.kind == "stall":
+            while not release.wait(0.05):  # no heartbeat here: only the stall detector can end this
+                pass
+            raise Stopped
+        return fault.kind
+
+    def check_checkpoint(self, worker: str, release: threading.Event) -> None:
+        """A non-writer's checkpoint point: fires only while a writer holds a checkpoint open."""
+        if (index := self.checkpoint_open) is not None:
+            self.check(worker, "checkpoint", release, index)
+
+    def in_checkpoint(self, writer: str, release: threading.Event, others_running: bool = True) -> None:
+        """Called by a checkpoint writer after the weights and before the training state. Fires the writer's own
+        fault, then (while other workers run) holds the write open, up to CHECKPOINT_WINDOW_S or until `release`,
+        so that their faults for this checkpoint fire at their next wait."""
+        if not self.faults:
+            return
+        with self._lock:
+            index, self._checkpoints = self._checkpoints, self._checkpoints + 1
+        self.check(writer, "checkpoint", release, index)
+        others = [f for f in self.faults if f.phase == "checkpoint" and f.n == index and f.worker != writer]
+        if not others_running:  # the coordinator's final write: nobody else is left to fire
+            others = []
+        self.checkpoint_open = index
+        try:
+            deadline = time.monotonic() + CHECKPOINT_WINDOW_S
+            while any(f not in self._fired for f in others) and time.monotonic() < deadline:
+                if release.wait(0.01):
+                    break
+        finally:
+            self.checkpoint_open = None

@@ -52,6 +52,7 @@ class Prefetcher(Worker):
                 continue
             pending[item.batch.index] = item
             while self.next_index in pending:
+                self.inject("step", self.next_index)  # fault injection (pipeline/faults.py): by batch index
                 replica = self.shard.local_replica(self.next_index)
                 self.put(self.outboxes[replica], self._to_drafter(pending.pop(self.next_index), replica))
                 self.in_flight.release()

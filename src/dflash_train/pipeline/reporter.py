@@ -57,6 +57,7 @@ class StepReporter:
             extra, self._seen = self._fractions(self._t, self._seen)
             self._t = time.perf_counter()
             extra["queues"] = f"{self.batch_queue.qsize()}/{self.feats_queue.qsize()}"
+            extra["skipped"] = worker.skipped_steps
             self.logger.log(step, metrics, worker.scheduler.get_last_lr()[0], extra=extra)
         if self.checkpoint_every and step % self.checkpoint_every == 0 and step < self.total_steps:
             self.ckpt.save(step, worker.drafter, worker.optimizer, worker.scheduler,

@@ -15,7 +15,7 @@ import torch
 from ..data.packing import TrainBatch
 from ..models.target import TargetModel
 from .devices import new_stream, record_event
-from .faults import FaultPlan
+from .faults import FaultPlan, poison_
 from .worker import END_OF_DATA, RunControl, Worker
 
 
@@ -40,7 +40,6 @@ class TargetWorker(Worker):
     def setup(self) -> None:
         # One forward of the real shapes: lazy CUDA/library initialisation happens here, not in the first step.
         self._features(self.warmup)
-        self.faults.check(self.name, "warmup", self.control.stop)
 
     def loop(self) -> None:
         n = 0
@@ -49,8 +48,10 @@ class TargetWorker(Worker):
             if batch is END_OF_DATA:
                 self.put(self.out, END_OF_DATA)
                 return
-            self.faults.check(self.name, "step", self.control.stop, n)
+            fault = self.faults.check(self.name, "step", self.control.stop, n)
             with self.clock.busy():
                 feats = self._features(batch)
+            if fault:  # injected nan/inf: the features, so the drafter's loss and gradients
+                poison_(fault, feats)
             self.put(self.out, FeatureItem(batch, feats, record_event(self.device)))
             n += 1

@@ -8,10 +8,14 @@ Threading contract (the coordinator relies on all of it):
 - Any exception is caught on the thread, its full traceback stored, and the whole run is stopped (`control.fail`).
 - The heartbeat (`last_beat`) advances while the worker waits, so a worker whose heartbeat goes stale is stuck in
   its own work (a hung kernel, a deadlock), not starved by a neighbour: that is what stall detection reports.
+  The coordinator (the main thread) supervises the workers; a `Watchdog` thread watches the coordinator.
+- Fault-injection points (pipeline/faults.py): `startup` after setup(), `shutdown` after loop() returned, and
+  `checkpoint` at every wait while a checkpoint writer holds a write open; stages add their own `step` points.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import sys
 import threading
@@ -25,8 +29,11 @@ import torch
 
 from .devices import stream_scope
 
+log = logging.getLogger("dflash_train")
 POLL_S = 0.05  # how often a blocked wait re-checks the stop event; bounds the shutdown latency of every thread
 THREAD_PREFIX = "dflash-"
+OOM_HINT = ("out of memory; lower train.token_budget or train.num_anchors (the tokens and blocks of one step), or "
+            "give this stage a device with more free memory")
 
 
 class Stopped(Exception):
@@ -41,19 +48,33 @@ class _EndOfData:
 END_OF_DATA = _EndOfData()  # sentinel that flows down the queues after the last batch
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """A signal stopped the run cleanly after a checkpoint; str() is the one-line summary. SIGTERM (a scheduler's
+    polite stop) is a normal end of the process, exit 0; SIGINT (Ctrl-C) keeps the shell's 130."""
+
+    def __init__(self, signal_name: str, summary: str):
+        super().__init__(summary)
+        self.signal_name = signal_name
+        self.exit_code = 0 if signal_name == "SIGTERM" else 130
+
+
 class RunControl:
-    """State shared by all workers of one run: the stop event and the first failure (first one wins)."""
+    """State shared by all workers of one run: the stop event, the first failure (first one wins), the faults."""
 
-    def __init__(self):
+    def __init__(self, faults=None):
         self.stop = threading.Event()
+        self.failed = threading.Event()  # set with the first failure (stop may also mean a signal or the end)
         self._lock = threading.Lock()
-        self.failure: tuple[str, str] | None = None  # (worker name, message naming it, with its traceback)
+        # (worker name, message naming it with its traceback, the exception or None for a stall)
+        self.failure: tuple[str, str, BaseException | None] | None = None
         self.interrupted: str | None = None  # signal name when a signal asked the run to stop
+        self.faults = faults  # a faults.FaultPlan, or None: no injection points fire
 
-    def fail(self, worker: str, message: str) -> None:
+    def fail(self, worker: str, message: str, exc: BaseException | None = None) -> None:
         with self._lock:
             if self.failure is None:
-                self.failure = (worker, message)
+                self.failure = (worker, message, exc)
+        self.failed.set()
         self.stop.set()
 
     def interrupt(self, why: str) -> None:
@@ -93,6 +114,23 @@ class StageClock:
         return self._busy_s
 
 
+def thread_stack(thread: threading.Thread) -> str:
+    frame = sys._current_frames().get(thread.ident)
+    return "".join(traceback.format_stack(frame)) if frame is not None else "(thread not running)\n"
+
+
+def describe_stall(name: str, silent_s: float, timeout_s: float, thread: threading.Thread) -> str:
+    return (f"{name} stalled: no progress for {silent_s:.1f} s (pipeline.stall_timeout_s={timeout_s:g}); "
+            f"it is here:\n{thread_stack(thread)}")
+
+
+def describe_failure(name: str, exc: BaseException, phase: str) -> str:
+    """'<name> failed[ during startup|shutdown][: out of memory; <hint>]:' + the traceback being handled."""
+    when = f" during {phase}" if phase in ("startup", "shutdown") else ""
+    hint = f": {OOM_HINT}" if isinstance(exc, torch.OutOfMemoryError) else ""
+    return f"{name} failed{when}{hint}:\n{traceback.format_exc()}"
+
+
 class Worker:
     """A pipeline stage on its own daemon thread named `dflash-<name>`. Subclasses implement setup() and loop()."""
 
@@ -103,6 +141,7 @@ class Worker:
         self.ready = threading.Event()
         self.finished = threading.Event()
         self.error: str | None = None
+        self.phase = "startup"  # startup -> steady -> shutdown (for failure messages)
         self.last_beat = time.monotonic()
         self.clock = StageClock(self.device)
         self.thread = threading.Thread(target=self._main, name=THREAD_PREFIX + name, daemon=True)
@@ -122,17 +161,25 @@ class Worker:
         try:
             with stream_scope(self.device, self.stream):
                 self.setup()
+                self.inject("startup")
                 self.beat()
                 self.ready.set()
+                self.phase = "steady"
                 self.loop()
+                self.phase = "shutdown"
+                self.inject("shutdown")
         except Stopped:
             pass
-        except BaseException:  # noqa: BLE001 - everything a worker raises is reported, with its traceback
+        except BaseException as e:  # noqa: BLE001 - everything a worker raises is reported, with its traceback
             self.error = traceback.format_exc()
-            when = "failed" if self.ready.is_set() else "failed during startup"
-            self.control.fail(self.name, f"{self.name} {when}:\n{self.error}")
+            self.control.fail(self.name, describe_failure(self.name, e, self.phase), e)
         finally:
             self.finished.set()
+
+    def inject(self, phase: str, n: int | None = None) -> str | None:
+        """A fault-injection point (pipeline/faults.py): raises or stalls here, or returns 'nan'/'inf' to apply."""
+        faults = self.control.faults
+        return faults.check(self.name, phase, self.control.stop, n) if faults is not None else None
 
     @property
     def running(self) -> bool:
@@ -143,14 +190,15 @@ class Worker:
 
     def stack(self) -> str:
         """Where the thread is right now (for stall reports)."""
-        frame = sys._current_frames().get(self.thread.ident)
-        return "".join(traceback.format_stack(frame)) if frame is not None else "(thread not running)\n"
+        return thread_stack(self.thread)
 
     # ------------------------------------------------------------------ stop-aware waits
     def _check_stop(self) -> None:
         self.beat()
         if self.control.stop.is_set():
             raise Stopped
+        if self.control.faults is not None:
+            self.control.faults.check_checkpoint(self.name, self.control.stop)
 
     def _waited(self, counter: str, since: float) -> float:
         """Add the time since `since` to the clock's `counter` as it passes (so report windows see waits still
@@ -195,3 +243,38 @@ class Worker:
             self._check_stop()
             cond.wait(POLL_S)
         self.beat()
+
+
+class Watchdog:
+    """Stall detection for the coordinator, which supervises every worker but runs on the main thread: a thread of
+    its own (`dflash-watchdog`) fails the run, with the main thread's stack, when the coordinator's heartbeat is older
+    than `timeout_s`. The coordinator beats while it supervises, joins and writes its checkpoints; a checkpoint write
+    must take less than the timeout, as for the drafter that writes the periodic ones."""
+
+    def __init__(self, control: RunControl, timeout_s: float, name: str = "coordinator"):
+        self.control, self.timeout_s, self.name = control, timeout_s, name
+        self.last_beat = time.monotonic()
+        self._watched = threading.current_thread()
+        self._done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name=THREAD_PREFIX + "watchdog", daemon=True)
+
+    def beat(self) -> None:
+        self.last_beat = time.monotonic()
+
+    def __enter__(self) -> "Watchdog":
+        self.beat()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self.thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(POLL_S):
+            silent = time.monotonic() - self.last_beat
+            if silent > self.timeout_s:
+                message = describe_stall(self.name, silent, self.timeout_s, self._watched)
+                log.warning(message)  # now: a thread hung in a C call may never get to report it
+                self.control.fail(self.name, message)
+                return

@@ -71,6 +71,8 @@ class MetricsLogger:
             if extra and key in extra:
                 v = extra[key]
                 line += f" | {key} {v:.0%}" if isinstance(v, float) else f" | {key} {v}"
+        if extra and extra.get("skipped"):  # steps without an update (non-finite loss, train.nonfinite=skip)
+            line += f" | skipped {extra['skipped']}"
         log.info(line)
         self.history.append(rec)
         if self._jsonl:

@@ -25,7 +25,7 @@ RUN_CONFIG_NAME = "run_config.yaml"
 # Keys that may differ between a run and its resumption without making it "a different run".
 _RESUMABLE_KEYS = {("run", "resume"), ("run", "overwrite"), ("train", "log_every"), ("train", "checkpoint_every"),
                    ("train", "keep_checkpoints"), ("pipeline", "stall_timeout_s"), ("pipeline", "queue_depth"),
-                   ("train", "max_minutes")}
+                   ("train", "max_minutes"), ("train", "nonfinite")}
 
 
 @dataclass
@@ -96,4 +96,8 @@ def build_run(cfg: Config, batches_per_step: int = 1) -> RunSetup:
              f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params")
     log.info(f"data: {len(data.train)} train / {len(data.heldout)} held-out conversations, {rows_per_epoch} rows of "
              f"{cfg.train.token_budget} tokens per epoch; {total_steps} steps")
+    if too_long := sum(len(s.input_ids) > cfg.train.token_budget for s in data.train):
+        log.warning(f"{too_long} of {len(data.train)} training samples are longer than train.token_budget="
+                    f"{cfg.train.token_budget} tokens: each is truncated to its first {cfg.train.token_budget} "
+                    "tokens (raise train.token_budget to train on them whole)")
     return RunSetup(cfg, out, info, tokenizer, data, schedule, total_steps, batches_per_step, drafter)

@@ -17,7 +17,7 @@ from ..models.target import load_target
 from .budget import TimeBudget
 from .checkpointing import CheckpointManager, set_rng_state
 from .metrics import MetricsLogger
-from .optim import build_optimizer, build_scheduler
+from .optim import apply_update, build_optimizer, build_scheduler
 from .plots import write_training_plots
 from .run import RunSetup, build_run
 from .step import DrafterStep
@@ -31,6 +31,7 @@ class TrainResult:
     drafter_dir: Path
     steps: int
     history: list[dict]
+    skipped_steps: int = 0  # steps whose update was skipped: non-finite loss/gradients, train.nonfinite=skip
 
 
 def resolve_device(name: str) -> torch.device:
@@ -54,7 +55,8 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
             start_step = state["step"]
             log.info(f"resuming from {path} at step {start_step}")
     drafter = drafter.float().to(device).train()
-    optimizer = build_optimizer(drafter.parameters(), cfg.train, device)
+    params = list(drafter.parameters())
+    optimizer = build_optimizer(params, cfg.train, device)
     scheduler = build_scheduler(optimizer, cfg.train, setup.total_steps)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
@@ -64,29 +66,24 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
     step_fn = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, cfg.train, device)
     logger = MetricsLogger(setup.out_dir, setup.total_steps, cfg.train.token_budget, cfg.train.log_every,
                            start_step=start_step)
-    step = start_step
+    step, skipped = start_step, 0
     budget = TimeBudget(cfg.train.max_minutes)  # the clock starts with the first step
     try:
         for batch in setup.schedule.iter_from(start_step):
             b = batch.to(device)
             feats = target.features(b.input_ids, b.position_ids, b.doc_ids)
             metrics = step_fn(b, feats)
-            if cfg.train.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.train.grad_clip)
-            optimizer.step()
-            scheduler.step()
-            # Keep .grad allocated: with CUDA graphs (reduce-overhead) a None grad would *steal* the graph's static
-            # output buffer, which a later replay in the same backward may overwrite (measured on torch 2.11:
-            # training stalled). Accumulating into our own buffers copies the values out instead.
-            optimizer.zero_grad(set_to_none=False)
+            if not apply_update(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite, step + 1):
+                skipped += 1
+                log.warning(f"step {step + 1}: non-finite loss or gradients, update skipped ({skipped} so far)")
             step += 1
             if logger.should_log(step):
-                logger.log(step, metrics, scheduler.get_last_lr()[0])
+                logger.log(step, metrics, scheduler.get_last_lr()[0], extra={"skipped": skipped})
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
                 ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
             if budget.should_stop(step):
                 if not logger.should_log(step):  # the last step's metrics belong in the log and the plots
-                    logger.log(step, metrics, scheduler.get_last_lr()[0])
+                    logger.log(step, metrics, scheduler.get_last_lr()[0], extra={"skipped": skipped})
                 break
         ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
         final = save_drafter(drafter, setup.out_dir / "drafter")
@@ -94,4 +91,4 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
         logger.close()
     write_training_plots(setup.out_dir, logger.history)
     log.info(f"done: {step} steps; servable drafter in {final}")
-    return TrainResult(setup.out_dir, final, step, logger.history)
+    return TrainResult(setup.out_dir, final, step, logger.history, skipped)
