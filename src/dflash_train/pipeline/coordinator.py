@@ -161,7 +161,8 @@ class _Pipeline:
         if self.control.interrupted:
             raise self._interrupted(d0)
         self._check_replicas_identical()
-        self.peers.bye([float(weights_checksum(d0.params)), sum(d0.checksums)])  # identical on every rank too
+        self.peers.bye([float(weights_checksum(d0.params)), sum(d0.checksums)],  # identical on every rank too
+                       beat=self.watchdog.beat)
         final = self.run_setup.out_dir / "drafter"
         if self.peers.is_rank0:
             self._save(d0)
@@ -185,7 +186,7 @@ class _Pipeline:
             return
         self.peers.gate({"local replicas": self.n, "start step": self.start_step,  # every rank is ready and agrees
                          "total steps": self.run_setup.total_steps, "gradient + metric size": self.gradsync.step_numel,
-                         "run config": config_fingerprint(self.cfg)})
+                         "run config": config_fingerprint(self.cfg)}, beat=self.watchdog.beat)
         if self.control.stop.is_set():
             return
         self._inject("startup")
