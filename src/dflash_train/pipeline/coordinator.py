@@ -134,6 +134,7 @@ class _Pipeline:
         self.budget = TimeBudget(cfg.train.max_minutes if self.peers.is_rank0 else None,
                                  replicas=self.shard.global_replicas)
         gradsync.budget = self.budget
+        self.logger.budget = self.budget  # the step line's ETA never exceeds the time left
         for d in self.drafters:
             d.budget = self.budget
         self.prefetch = Prefetcher(c, feats, inboxes, drafter_devices, [w.stream for w in self.drafters],

@@ -47,6 +47,7 @@ class MetricsLogger:
         self._t0 = time.perf_counter()
         self._last_t, self._last_step = self._t0, start_step
         self._start_step = start_step
+        self.budget = None  # a TimeBudget (train.max_minutes) set by the trainer: the ETA never exceeds its time left
 
     def should_log(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
@@ -64,6 +65,8 @@ class MetricsLogger:
         if extra:
             rec.update(extra)
         eta = (self.total_steps - step) * dt
+        if self.budget is not None and self.budget.max_s is not None:
+            eta = min(eta, max(0.0, self.budget.max_s - self.budget.elapsed_s))
         line = (f"step {step:>6}/{self.total_steps} | loss {rec['loss']:.4f} | acc@1 {acc[0]:.3f} "
                 f"acc@4 {acc[min(3, len(acc) - 1)]:.3f} | tau~ {rec['tau_est']:.2f} | lr {lr:.2e} | "
                 f"{rec['tokens_per_s']:,.0f} tok/s | eta {_fmt_s(eta)}")

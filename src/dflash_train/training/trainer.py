@@ -68,6 +68,7 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
                            start_step=start_step)
     step, skipped = start_step, 0
     budget = TimeBudget(cfg.train.max_minutes)  # the clock starts with the first step
+    logger.budget = budget
     try:
         for batch in setup.schedule.iter_from(start_step):
             b = batch.to(device)
