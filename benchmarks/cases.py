@@ -284,6 +284,16 @@ def bench_target(ctx: Context):
 
     T_max = max(s.target_seqs)
 
+    def flex():
+        """model.target_attention=flex: the same document mask as a BlockMask (empty tiles skipped)."""
+        target, ids, pos, doc, row = inputs(T_max)
+        target.set_attention("flex")
+        try:
+            return measure(lambda i: target.features(ids, pos, doc), T_max, causal_pairs(row.doc_ids))
+        finally:
+            target.set_attention("sdpa")
+    ctx.variant("target", "eager, flex BlockMask (document mask)", f"T={T_max}", flex, cost_s=40)
+
     def causal_only():
         """Ceiling: the same layers with HF's own causal mask (no document mask: SDPA can take its flash path)."""
         target, ids, pos, _, _ = inputs(T_max)

@@ -49,6 +49,35 @@ def test_packed_documents_get_the_same_features_as_alone(tiny_target):
         start += n
 
 
+def test_flex_target_attention_is_exact(tiny_target):
+    """model.target_attention=flex (a BlockMask, no dense mask) gives the sdpa path's features on a packed row with
+    padding, and each packed document gets its features alone (CPU fp32, no grad: flex runs its compiled CPU kernel)."""
+    sdpa = load_target(tiny_target, [1, 3], attention="sdpa")
+    flex = load_target(tiny_target, [1, 3], attention="flex")
+    assert (sdpa.attention, flex.attention) == ("sdpa", "flex")
+    g = torch.Generator().manual_seed(1)
+    docs = [Sample(torch.randint(0, 128, (n,), generator=g).tolist(), [True] * n) for n in (70, 41, 30)]
+    (row,) = pack_samples(docs, 160)  # 19 padding tokens; T not a multiple of flex's 128-token tiles
+    args = (row.input_ids, row.position_ids, row.doc_ids)
+    packed = flex.features(*args)
+    torch.testing.assert_close(packed, sdpa.features(*args), atol=1e-5, rtol=1e-5)
+    start = 0
+    for d in docs:
+        n = len(d.input_ids)
+        alone = sdpa.features(torch.tensor(d.input_ids), torch.arange(n), torch.zeros(n, dtype=torch.long))
+        torch.testing.assert_close(packed[start:start + n], alone, atol=1e-5, rtol=1e-5)
+        start += n
+
+
+def test_flex_target_refuses_the_inference_path(tiny_llama):
+    t = load_target(tiny_llama, [1], truncate=False, attention="flex")
+    with pytest.raises(RuntimeError, match="attention='sdpa'"):
+        t.forward_with_cache(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                             torch.ones(1, 1, 1, 1, dtype=torch.bool), {}, 1)
+    with pytest.raises(TargetError, match="sdpa, flex, auto"):
+        load_target(tiny_llama, [1], attention="dense")
+
+
 def test_missing_path_is_one_clear_error(tmp_path):
     with pytest.raises(TargetError, match="does not exist"):
         load_target(str(tmp_path / "nope"))

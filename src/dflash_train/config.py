@@ -42,8 +42,16 @@ class ModelConfig:
     mask_token_id: int | None = _f(None, "Token id whose embedding marks 'to be predicted'. Empty = the "
                                          "tokenizer's mask token, else a reserved/unused special token.")
     drafter_init: str | None = _f(None, "Start from this saved drafter directory instead of random weights.")
+    target_attention: str = _f("sdpa", "How the target's training forward keeps packed documents apart: sdpa (dense "
+                                       "[T, T] boolean mask; keeps SDPA off its flash kernel) | flex (a flex-attention "
+                                       "BlockMask that skips empty tiles; exact, the intended GPU default once "
+                                       "measured) | auto (flex on CUDA, sdpa on CPU). Evaluation and regeneration "
+                                       "always use sdpa.")
 
     def __post_init__(self):
+        if self.target_attention not in ("sdpa", "flex", "auto"):
+            raise ConfigError("model.target_attention must be one of sdpa, flex, auto "
+                              f"(got {self.target_attention!r}).")
         if self.block_size < 2:
             raise ConfigError(f"model.block_size must be at least 2 (got {self.block_size}): a block is the "
                               "anchor token plus at least one drafted token.")

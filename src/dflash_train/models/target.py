@@ -2,7 +2,18 @@
 
 `TargetModel.features()` returns the outputs of `layer_ids` concatenated per token (`[T, k*H]`) for one packed row.
 Layers after the deepest tapped one are dropped when `truncate=True` (training never needs them, and the LM head never
-runs there), and packed documents never attend to each other: the row gets an explicit block-diagonal causal mask.
+runs there), and packed documents never attend to each other: the row gets a block-diagonal causal (document) mask.
+
+Two ways to apply that mask (`model.target_attention`):
+- `sdpa`: a dense [1, 1, T, T] boolean mask. Exact and simple, but an arbitrary mask keeps SDPA off its flash kernel:
+  every layer reads the T x T mask and computes all T^2 scores, also those across documents and above the diagonal.
+- `flex`: the HF model runs with `attn_implementation="flex_attention"` and gets a torch `BlockMask` built once per
+  row from `doc_ids` (mask_mod: causal and same document). transformers' mask code passes any 4D mask, BlockMask
+  included, through unchanged (`masking_utils._preprocess_mask_arguments`), and its flex integration hands it to
+  `flex_attention(block_mask=...)`, which skips every 128 x 128 tile that is empty (above the diagonal, across
+  documents) and evaluates the mask only on tiles cut by a document edge. Exact: the same (query, key) pairs as the
+  dense mask. (HF's own alternative, no mask plus position_ids so that it detects packing from position resets, is
+  exact for our rows too, but costs a host sync per forward to detect the packing; our doc_ids are the ground truth.)
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from ..errors import UserError
 
 import importlib.util
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +102,46 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (causal & (doc_ids[:, None] == doc_ids[None, :]))[None, None]
 
 
+TARGET_ATTENTION = ("sdpa", "flex", "auto")
+_HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention"}
+
+
+def resolve_target_attention(name: str, device: torch.device) -> str:
+    """'auto' -> flex on CUDA, sdpa elsewhere (on CPU flex would compile a kernel per shape for no gain)."""
+    if name not in TARGET_ATTENTION:
+        raise TargetError(f"Target attention must be one of {', '.join(TARGET_ATTENTION)} (got {name!r}).")
+    if name == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return name
+
+
+_compiled_create_block_mask = None
+_compiled_create_block_mask_lock = threading.Lock()
+
+
+def doc_causal_block_mask(doc_ids: torch.Tensor):
+    """doc_ids [T] -> flex BlockMask [1, 1, T, T], the same pattern as doc_causal_mask (never materialised on CUDA).
+
+    On CUDA the mask is built by a compiled create_block_mask (one per process; a new row's doc_ids is a new
+    closure cell, not a recompile), which evaluates the mask tile by tile without a [T, T] tensor; on CPU the eager
+    builder is cheap at test sizes."""
+    global _compiled_create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    build = create_block_mask
+    if doc_ids.device.type == "cuda":
+        with _compiled_create_block_mask_lock:
+            if _compiled_create_block_mask is None:
+                _compiled_create_block_mask = torch.compile(create_block_mask)
+        build = _compiled_create_block_mask
+
+    def doc_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (doc_ids[q_idx] == doc_ids[kv_idx])
+
+    T = doc_ids.shape[0]
+    return build(doc_causal, None, None, T, T, device=doc_ids.device)
+
+
 @dataclass
 class TargetInfo:
     """What the drafter needs to know about the target (sizes only; no weights)."""
@@ -155,6 +207,15 @@ class TargetModel(nn.Module):
         return hook
 
     @property
+    def attention(self) -> str:
+        """'flex' when the HF model runs flex_attention (features() then passes a BlockMask), else 'sdpa'."""
+        return "flex" if self.hf.config._attn_implementation == "flex_attention" else "sdpa"
+
+    def set_attention(self, attention: str) -> None:
+        """Switch the attention implementation in place, 'sdpa' or 'flex' (benchmarks compare both on one model)."""
+        self.hf.set_attn_implementation(_HF_ATTENTION[attention])
+
+    @property
     def embed_tokens(self) -> nn.Embedding:
         return self.hf.get_input_embeddings()
 
@@ -172,7 +233,7 @@ class TargetModel(nn.Module):
 
         Not thread-safe per instance (hooks write into self._taps): one target worker per TargetModel."""
         self._taps.clear()
-        mask = doc_causal_mask(doc_ids)
+        mask = doc_causal_block_mask(doc_ids) if self.attention == "flex" else doc_causal_mask(doc_ids)
         self.hf.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
                       use_cache=False)
         feats = torch.cat([self._taps[i][0] for i in self.layer_ids], dim=-1)
@@ -189,6 +250,8 @@ class TargetModel(nn.Module):
         Same thread-safety caveat as features()."""
         if len(self.hf.model.layers) != self.info.num_layers:
             raise RuntimeError("forward_with_cache needs all layers: load the target with truncate=False")
+        if self.attention != "sdpa":
+            raise RuntimeError("forward_with_cache takes dense 4D boolean masks: load the target with attention='sdpa'")
         self._taps.clear()
         out = self.hf(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                       use_cache=True, logits_to_keep=logits_to_keep, **cache_kwargs)
@@ -199,17 +262,23 @@ class TargetModel(nn.Module):
 
 def load_target(target: str | None, layer_ids: list[int] | None = None, num_feature_layers: int = 5,
                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                truncate: bool = True) -> TargetModel:
-    """Load the frozen target from a local directory or GGUF file onto `device` (bf16 on GPU, fp32 on CPU)."""
+                truncate: bool = True, attention: str = "sdpa") -> TargetModel:
+    """Load the frozen target from a local directory or GGUF file onto `device` (bf16 on GPU, fp32 on CPU).
+
+    attention: how features() masks packed documents, sdpa | flex | auto (module docstring). The inference path
+    (forward_with_cache) builds its own dense masks and needs 'sdpa'."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_target_path(target)
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
+    attention = resolve_target_attention(attention, device)
     try:
-        hf = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation="sdpa")
+        hf = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=_HF_ATTENTION[attention])
     except Exception as e:  # noqa: BLE001
-        raise TargetError(f"Could not load a causal LM from {str(path)!r}: {type(e).__name__}: {e}") from e
+        hint = ("; if transformers has no flex attention for this architecture, set model.target_attention=sdpa"
+                if attention == "flex" else "")
+        raise TargetError(f"Could not load a causal LM from {str(path)!r}: {type(e).__name__}: {e}{hint}") from e
     hf.to(device)
     n = hf.config.num_hidden_layers
     ids = list(layer_ids) if layer_ids else default_layer_ids(n, num_feature_layers)

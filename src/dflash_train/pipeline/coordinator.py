@@ -87,7 +87,8 @@ class _Pipeline:
         self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints)
         init, state = self._resume_point()
         self.start_step = state["step"] if state else 0
-        targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d) for d in target_devices]
+        targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d,
+                               attention=cfg.model.target_attention) for d in target_devices]
         self.control = RunControl(faults)
         self.faults, self.phase, self._steps_seen = faults, "startup", self.start_step
         self._thread = threading.current_thread()

@@ -43,7 +43,8 @@ def resolve_device(name: str) -> torch.device:
 def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResult:
     setup = setup or build_run(cfg)
     device = resolve_device(cfg.pipeline.drafter_devices[0])
-    target = load_target(cfg.model.target, setup.drafter.config.target_layer_ids, device=device)
+    target = load_target(cfg.model.target, setup.drafter.config.target_layer_ids, device=device,
+                         attention=cfg.model.target_attention)
     ckpt = CheckpointManager(setup.out_dir, cfg.train.keep_checkpoints)
 
     drafter = setup.drafter
