@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_ORDER = ["drafter", "target", "colocated", "pipeline"]
+DEFAULT_ORDER = ["drafter", "target", "colocated", "pipeline", "generate"]
 
 
 def parse_args(argv=None):
@@ -152,6 +152,9 @@ def derive_ratios(rows) -> dict:
         if t and d:   # sequential: the ideal is 1 / (1/target + 1/drafter), each stage's time alone added up
             ideal = 1.0 / (1.0 / t.tokens_per_s + 1.0 / d.tokens_per_s)
             out["colocated tokens/s vs stages alone back to back"] = colo.tokens_per_s / ideal
+    before, now = _row(rows, "generate", "arrival order, whole cache"), _row(rows, "generate", "length-sorted")
+    if before and now:
+        out["generate: regenerate now vs before (tokens/s)"] = now.tokens_per_s / before.tokens_per_s
     for r in rows:
         if r.bench == "pipeline" and r.status == "ok" and "vs_slowest_stage" in r.extra:
             out[f"pipeline ({r.variant}) vs slowest stage alone (goal P3 >= 0.95)"] = r.extra["vs_slowest_stage"]

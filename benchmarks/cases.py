@@ -6,6 +6,7 @@ FLOP/s by the bf16 matmul rate measured first in the same run.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from pathlib import Path
@@ -492,6 +493,93 @@ def bench_pipeline(ctx: Context):
                 pipeline([str(dev)]), cost_s=150)
     if dev.type == "cuda" and torch.cuda.device_count() >= 2:
         ctx.variant("pipeline", "target cuda:0, drafter cuda:1", shape, pipeline(["cuda:1"]), cost_s=150)
+
+
+@benchmark("generate", "batched greedy generation (dataset regeneration): batches in arrival order over whole caches "
+                       "(before) vs windowed attention vs length-sorted pools + windowed attention (regenerate now)")
+def bench_generate(ctx: Context):
+    """`dflash-train regenerate`'s decoding on random-init weights of the suite's generation shape (SmolLM2-135M on
+    the GPU) and log-normal prompt lengths (a long tail, like chat prompts). Every variant generates new_tokens for
+    every prompt (no stop tokens: random weights rarely stop) and pays its own cache allocations and graph
+    captures, as a regeneration run does. ms = one batch on average; tok/s = generated tokens per second."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash_train.data.regenerate import LOOKAHEAD_BATCHES, MIN_CACHE_SLOTS
+    from dflash_train.inference.baseline import BatchGenerator
+
+    s, dev, g = ctx.suite, ctx.device, ctx.suite.generate
+    if not g:
+        raise Skip("this suite has no generation shape")
+    b, n, new, max_len = g["batch"], g["prompts"], g["new_tokens"], g["max_length"]
+    rng = torch.Generator().manual_seed(0)
+    lens = (torch.randn(n, generator=rng) + math.log(g["median_prompt"])).exp().round().long()
+    lens = lens.clamp(2, max_len - new).tolist()
+    prompts = [torch.randint(1, g["target"]["vocab_size"], (k,), generator=rng).tolist() for k in lens]
+
+    def model():
+        if "generate_hf" not in ctx.cache:
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(s.dtype)
+            try:
+                torch.manual_seed(0)
+                with torch.device(dev):
+                    ctx.cache["generate_hf"] = LlamaForCausalLM(LlamaConfig(**g["target"], attn_implementation="sdpa"))
+            finally:
+                torch.set_default_dtype(default)
+        return ctx.cache["generate_hf"].eval()
+
+    def slots_for(need: int) -> int:  # regenerate's cache sizes: powers of two from MIN_CACHE_SLOTS, capped
+        slots = MIN_CACHE_SLOTS
+        while slots < need:
+            slots *= 2
+        return max(min(slots, max_len), need)
+
+    def arrival() -> list[list[int]]:
+        return [list(range(i, min(i + b, n))) for i in range(0, n, b)]
+
+    def sorted_pools() -> list[list[int]]:  # regenerate's pools: LOOKAHEAD_BATCHES batches sorted by length, cut
+        out, pool = [], b * LOOKAHEAD_BATCHES
+        for i in range(0, n, pool):
+            idx = sorted(range(i, min(i + pool, n)), key=lambda j: lens[j])
+            out += [idx[k:k + b] for k in range(0, len(idx), b)]
+        return out
+
+    def measure(batches: list[list[int]], windowed: bool):
+        def run():
+            hf, gens, outs, slots = model(), {}, {}, 0
+            sync(dev)
+            t0 = time.perf_counter()
+            for idx in batches:
+                batch = [prompts[j] for j in idx]
+                need = max(map(len, batch)) + new
+                if windowed:  # one cache, replaced by a larger one only when a batch does not fit (regenerate now)
+                    if "one" not in gens or gens["one"].runner.max_len < need:
+                        gens.clear()
+                        gens["one"] = BatchGenerator(hf, b, slots_for(need))
+                    gen = gens["one"]
+                else:  # one cache per size, attention over all of it every step (before)
+                    key = slots_for(need)
+                    if key not in gens:
+                        gens[key] = BatchGenerator(hf, b, key, kv_window=None)
+                    gen = gens[key]
+                slots += b * max(map(len, batch))
+                outs.update(zip(idx, gen.generate(batch, new)))
+            sync(dev)
+            wall = time.perf_counter() - t0
+            ref = ctx.cache.setdefault("generate_ref", outs)
+            same = sum(outs[j] == ref[j] for j in range(n)) / n
+            return Row("", "", ms=wall / len(batches) * 1e3, tokens_per_s=n * new / wall,
+                       note=f"{n / wall:,.1f} prompts/s; prefill padding {1 - sum(lens) / slots:.0%}; "
+                            f"{same:.0%} outputs equal the first variant's",
+                       extra={"wall_s": wall, "prompts_per_s": n / wall, "batches": len(batches),
+                              "prefill_padding": 1 - sum(lens) / slots, "same_as_first": same})
+        return run
+
+    shape = f"{n} prompts b={b} +{new}"
+    ctx.variant("generate", "arrival order, whole cache (before)", shape, measure(arrival(), False), cost_s=120)
+    ctx.variant("generate", "arrival order, windowed attention", shape, measure(arrival(), True), cost_s=60)
+    ctx.variant("generate", "length-sorted pools, windowed attention (regenerate now)", shape,
+                measure(sorted_pools(), True), cost_s=60)
 
 
 class _FeatsByBatch:

@@ -41,21 +41,30 @@ class Suite:
     compile_backend: str | None = None   # None = inductor; 'aot_eager' traces without code generation (CPU smoke)
     budget_s: float = math.inf           # skip variants that would start past this many seconds into the run
     cpu_threads: int | None = None       # torch intra-op threads (tiny CPU shapes: 1, robust on a busy machine)
+    generate: dict | None = None         # batched generation: target (LlamaConfig kwargs), batch, prompts,
+                                         # new_tokens, max_length, median_prompt (tokens; log-normal lengths)
 
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, tie_word_embeddings=False)
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 SUITES = {
     "gpu": Suite("gpu", "cuda", torch.bfloat16, matmul_n=8192, target=QWEN3_8B, num_taps=5, draft_layers=5,
                  block_size=16, token_budget=4096, num_anchors=512, target_seqs=[2048, 4096],
-                 target_compile_seqs=[4096, 2048], warmup=3, iters=10, budget_s=450.0),
+                 target_compile_seqs=[4096, 2048], warmup=3, iters=10, budget_s=450.0,
+                 generate=dict(target=SMOLLM2_135M, batch=256, prompts=512, new_tokens=128, max_length=2048,
+                               median_prompt=80)),
     "cpu-smoke": Suite("cpu-smoke", "cpu", torch.float32, matmul_n=256, target=TINY, num_taps=3, draft_layers=2,
                        block_size=4, token_budget=64, num_anchors=8, target_seqs=[32, 64], target_compile_seqs=[64],
-                       num_docs=2, warmup=1, iters=2, compile_backend="aot_eager", cpu_threads=1),
+                       num_docs=2, warmup=1, iters=2, compile_backend="aot_eager", cpu_threads=1,
+                       generate=dict(target=dict(TINY, vocab_size=256), batch=4, prompts=16, new_tokens=8,
+                                     max_length=256, median_prompt=12)),
 }
 
 

@@ -24,7 +24,7 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
     assert took < 60, f"the CPU smoke suite took {took:.0f}s; keep it under a minute"
     res = json.loads(out.read_text())
     rows = res["rows"]
-    assert {r["bench"] for r in rows} == {"matmul", "drafter", "target", "colocated", "pipeline"}
+    assert {r["bench"] for r in rows} == {"matmul", "drafter", "target", "colocated", "pipeline", "generate"}
     ok = {(r["bench"], r["variant"]) for r in rows if r["status"] == "ok"}
     assert {v for b, v in ok if b == "drafter"} == {"eager", "reference: dense mask+SDPA, fp32 logits, eager",
                                                     "compile default", "compile reduce-overhead"}
@@ -37,6 +37,9 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
         assert r["extra"]["flops"]["train"] > r["extra"]["flops"]["forward"] > 0
     compiled = [r for r in drafter if r["variant"].startswith("compile")]
     assert all(r["extra"]["compile"]["graph_breaks"] == 0 for r in compiled), compiled
+    generate = [r for r in rows if r["bench"] == "generate"]
+    assert len(generate) == 3 and all(r["status"] == "ok" for r in generate), generate
+    assert all(r["extra"]["same_as_first"] == 1.0 for r in generate)  # fp32: batching changes no output
     pipeline = {r["variant"]: r for r in rows if r["bench"] == "pipeline"}
     assert all(r["status"] == "ok" for r in pipeline.values()), pipeline
     assert pipeline["one CPU shared"]["extra"]["vs_slowest_stage"] > 0

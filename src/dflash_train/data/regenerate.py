@@ -2,8 +2,17 @@
 the target's own answers (what it will have to predict when serving).
 
   conversations (data/sources.py) -> history rendered with the chat template (inference/prompts.py)
+    -> a pool of due replies, sorted by prompt length and cut into batches
     -> batched decoding (inference/baseline.BatchGenerator: left padding, static KV cache, CUDA-graphed steps)
     -> {"id": ..., "messages": [...]} JSONL records, appended and flushed after every batch
+
+Throughput: a left-padded batch costs its longest prompt for every row, in the prefill and in every decode step
+(each step reads the KV cache of all rows up to that length). Chat prompts have a long tail (a pasted document
+among short questions), so batches in arrival order pay for the tail almost every time. Due replies are pooled,
+LOOKAHEAD_BATCHES batches at a time, sorted by prompt length and cut into batches: batches of similar lengths (the
+long prompts end up together), and a run stopped early has regenerated source records in order up to its last pool.
+Records are written in completion order within a pool (readers key on the id). One batch generator is kept and
+replaced by a larger one only when a batch does not fit.
 
 Multi-turn conversations are regenerated turn by turn: the history a reply is generated from holds the original
 system/user turns and the target's OWN earlier replies (never the original answers), as when it serves. With
@@ -24,7 +33,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -38,7 +47,8 @@ from .sources import Conversation, DataError, iter_conversations, open_source
 
 log = logging.getLogger("dflash_train")
 
-MIN_CACHE_SLOTS = 128  # static caches are sized in powers of two from here up to max_length (few graph captures)
+MIN_CACHE_SLOTS = 128  # the static cache is sized in powers of two from here up to max_length (grown when needed)
+LOOKAHEAD_BATCHES = 8  # due replies pooled (in batches) so that each batch can take prompts of similar length
 
 
 @dataclass
@@ -152,16 +162,17 @@ def check_settings(out_path: Path, settings: RegenerateSettings, replace: bool) 
 class Regenerator:
     """Batched turn-by-turn regeneration with one HF causal LM. Conversations flow through a pool: every round
     generates the next reply of up to batch_size conversations, so multi-turn chats never hold a batch half empty
-    while new conversations are waiting."""
+    while new conversations are waiting. lookahead: batches per sorted pool (1 = batches in arrival order)."""
 
-    def __init__(self, hf, tokenizer, settings: RegenerateSettings, batch_size: int, stop_ids, graphs=None):
+    def __init__(self, hf, tokenizer, settings: RegenerateSettings, batch_size: int, stop_ids, graphs=None,
+                 lookahead: int = LOOKAHEAD_BATCHES):
         self.hf, self.tokenizer, self.settings, self.batch_size = hf, tokenizer, settings, batch_size
-        self.stop_ids, self.graphs = list(stop_ids), graphs
+        self.stop_ids, self.graphs, self.lookahead = list(stop_ids), graphs, max(1, lookahead)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         device = hf.get_input_embeddings().weight.device
         self.generator = (torch.Generator(device=device).manual_seed(settings.seed)
                           if settings.temperature > 0 else None)
-        self._generators: dict[int, object] = {}  # cache slots -> BatchGenerator (one graph capture each)
+        self._generator = None  # the BatchGenerator (its cache and captured steps), grown when a batch needs more
 
     def _prompt_ids(self, chat: _Chat) -> list[int] | None:
         from ..inference.prompts import Prompt, tokenize_prompts
@@ -178,9 +189,10 @@ class Regenerator:
         while slots < slots_needed:
             slots *= 2
         slots = max(min(slots, self.settings.max_length), slots_needed)
-        if slots not in self._generators:
-            self._generators[slots] = BatchGenerator(self.hf, self.batch_size, slots, self.graphs)
-        return self._generators[slots]
+        if self._generator is None or self._generator.runner.max_len < slots_needed:
+            self._generator = None  # free the smaller cache (and its graphs) before allocating the larger one
+            self._generator = BatchGenerator(self.hf, self.batch_size, slots, self.graphs)
+        return self._generator
 
     def run(self, items: Iterable[tuple[str, Conversation, bool]], write, flush, stats: RegenerateStats,
             bar: tqdm) -> None:
@@ -188,7 +200,7 @@ class Regenerator:
         finished conversation, flush() after every batch."""
         s = self.settings
         t0 = time.perf_counter()
-        pool: deque[tuple[_Chat, list[int]]] = deque()  # conversations with a reply due, and its prompt ids
+        pool: list[tuple[_Chat, list[int]]] = []  # conversations with a reply due, and its prompt ids
         source = iter(items)
 
         def finish(chat: _Chat, reason: str | None = None) -> None:
@@ -213,23 +225,29 @@ class Regenerator:
             pool.append((chat, ids))
 
         exhausted = False
+        b = self.batch_size
+        chunk: list[tuple[_Chat, list[int]]] = []  # the sorted pool being cut into batches
         while True:
-            while len(pool) < self.batch_size and not exhausted:
-                item = next(source, None)
-                if item is None:
-                    exhausted = True
-                    break
-                rid, conv, regen = item
-                if not regen:
-                    write({"id": rid, "messages": conv.messages})
-                    stats.copied += 1
-                    bar.update()
-                    continue
-                enqueue(_Chat(rid, conv.messages))
-            if not pool:
-                flush()
-                return
-            batch = [pool.popleft() for _ in range(min(self.batch_size, len(pool)))]
+            if not chunk:
+                while len(pool) < b * self.lookahead and not exhausted:
+                    item = next(source, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    rid, conv, regen = item
+                    if not regen:
+                        write({"id": rid, "messages": conv.messages})
+                        stats.copied += 1
+                        bar.update()
+                        continue
+                    enqueue(_Chat(rid, conv.messages))
+                if not pool:
+                    flush()
+                    return
+                pool.sort(key=lambda item: len(item[1]))  # stable: ties keep arrival order (deterministic output)
+                n = len(pool) if exhausted else len(pool) // b * b  # a part batch waits for the next pool
+                chunk, pool[:] = pool[:n], pool[n:]
+            batch, chunk = chunk[:b], chunk[b:]
             prompts = [ids for _, ids in batch]
             gen = self._batch_generator(max(len(p) for p in prompts) + s.max_new_tokens)
             outs = gen.generate(prompts, s.max_new_tokens, self.stop_ids, s.temperature, self.generator, self.pad_id)

@@ -2,6 +2,12 @@
 
 `target_generate` decodes one prompt token by token with a q = 1 step; `BatchGenerator` / `generate_batch` decode a
 left-padded batch (dataset regeneration). Greedy at temperature 0, plain sampling otherwise.
+
+Batched decoding cost is memory traffic over the KV cache: every step reads, for every row, all the slots attention
+looks at. Two things keep that proportional to what the batch really holds: the batch generator attends over a
+window that grows with the sequence (TargetRunner kv_window) rather than the whole cache, and its cache can be
+sized once for the longest batch and reused by shorter ones (a captured step per window, not per cache size). The
+caller keeps padding low by batching prompts of similar length (data/regenerate.py sorts a lookahead pool).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from .decoding import GenerationResult, TokenSink, device_sync, pick_tokens
 from .target_runner import TargetRunner
 
 STOP_CHECK_EVERY = 16  # batched decoding syncs with the host only this often to see whether every row has stopped
+KV_WINDOW = 128  # batched decoding attends over the filled slots rounded up to this (one captured step per window)
 
 
 @torch.no_grad()
@@ -36,10 +43,11 @@ def target_generate(runner: TargetRunner, prompt_ids: list[int], max_new_tokens:
 
 
 class BatchGenerator:
-    """Reusable batched decoder: one static cache of `max_len` slots for `batch_size` rows, captured once."""
+    """Reusable batched decoder: one static cache of `max_len` slots for `batch_size` rows; any batch whose longest
+    prompt + max_new_tokens fits reuses it (and the steps captured so far, one per attention window)."""
 
-    def __init__(self, hf, batch_size: int, max_len: int, graphs: bool | None = None):
-        self.runner = TargetRunner.for_hf(hf, max_len, batch_size, (1,), graphs)
+    def __init__(self, hf, batch_size: int, max_len: int, graphs: bool | None = None, kv_window: int | None = KV_WINDOW):
+        self.runner = TargetRunner.for_hf(hf, max_len, batch_size, (1,), graphs, kv_window)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=(), temperature: float = 0.0,

@@ -6,6 +6,12 @@ is not padding. That makes "crop the cache to the accepted length" free: slots p
 visible to later queries and the next block overwrites them before it attends. The same runner serves the
 speculative verifier (q = B), the plain decoding baseline (q = 1) and batched generation, so every path shares one
 harness and one set of kernels.
+
+Attention window (`kv_window=W`, batched generation): by default every step attends over all max_len slots, most of
+them still empty early in a generation. With a window, a forward whose tokens end at slot e attends over the first
+ceil(e / W) * W slots only (prefill: exactly its P slots): the same visible slots, so the same result, at a cost
+that follows the sequence instead of the cache size. Each (q, window) step is its own CUDA graph, captured on first
+use: up to max_len / W graphs per step length.
 """
 
 from __future__ import annotations
@@ -35,13 +41,14 @@ class StaticKVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.slots: torch.Tensor | None = None
+        self.visible = max_len  # attention reads slots [0, visible); set by the runner before each forward
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states [b, kv_heads, q, d] -> the layer's whole [b, kv_heads, max_len, d] buffers."""
+        """key/value_states [b, kv_heads, q, d] -> views [b, kv_heads, visible, d] of the layer's buffers."""
         k, v = self.keys[layer_idx], self.values[layer_idx]
         k.index_copy_(2, self.slots, key_states.to(k.dtype))
         v.index_copy_(2, self.slots, value_states.to(v.dtype))
-        return k, v
+        return k[:, :, : self.visible], v[:, :, : self.visible]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # never consulted: positions and the mask are always passed explicitly
@@ -70,30 +77,32 @@ class TargetRunner:
     """Prefill + fixed-length steps over a static cache of `max_len` slots for `batch_size` rows.
 
     step_lens: the query lengths that get a static step (1 for decoding, B for verification); each is captured as
-    its own CUDA graph when graphs are on. Outputs of `step` are overwritten by the next call of the same length."""
+    its own CUDA graph when graphs are on (at construction without kv_window; per window on first use with one).
+    Outputs of `step` are overwritten by the next call of the same length."""
 
     def __init__(self, model_fn: ModelFn, hf, max_len: int, batch_size: int = 1, step_lens: tuple[int, ...] = (1,),
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, kv_window: int | None = None):
         emb = hf.get_input_embeddings().weight
         self.device, self.dtype = emb.device, emb.dtype
         self.graphs = resolve_graphs(graphs, self.device)
         info = TargetInfo.from_config(hf.config)
         self.vocab_size = info.vocab_size
-        self.model_fn, self.max_len, self.batch_size = model_fn, max_len, batch_size
+        self.model_fn, self.max_len, self.batch_size, self.kv_window = model_fn, max_len, batch_size, kv_window
         self.cache = StaticKVCache(info.num_layers, batch_size, info.num_key_value_heads, max_len, info.head_dim,
                                    self.dtype, self.device)
         self.cache_kwargs = {cache_kwarg_name(hf): self.cache}
         self.kv_idx = torch.arange(max_len, device=self.device)            # [L]
         self.valid = torch.ones(batch_size, max_len, dtype=torch.bool, device=self.device)  # False = left padding
         self.pad_len = torch.zeros(batch_size, dtype=torch.long, device=self.device)       # [b]
-        self._steps: dict[int, tuple[dict[str, torch.Tensor], GraphedStep]] = {}
+        self._bufs: dict[int, dict[str, torch.Tensor]] = {}          # per step length: the static inputs
+        self._steps: dict[tuple[int, int], GraphedStep] = {}         # per (step length, visible slots)
         for q in step_lens:
-            bufs = {"ids": torch.zeros(batch_size, q, dtype=torch.long, device=self.device),
-                    "slots": torch.arange(q, device=self.device),
-                    "pos": torch.zeros(batch_size, q, dtype=torch.long, device=self.device),
-                    "arange": torch.arange(q, device=self.device)}
-            self._steps[q] = (bufs, GraphedStep(lambda b=bufs, q=q: self._forward(b["ids"], b["pos"], b["slots"], q),
-                                                self.graphs))
+            self._bufs[q] = {"ids": torch.zeros(batch_size, q, dtype=torch.long, device=self.device),
+                             "slots": torch.arange(q, device=self.device),
+                             "pos": torch.zeros(batch_size, q, dtype=torch.long, device=self.device),
+                             "arange": torch.arange(q, device=self.device)}
+            if kv_window is None:
+                self._graphed_step(q, max_len)
 
     @classmethod
     def for_target(cls, target: TargetModel, max_len: int, step_lens=(1,), graphs: bool | None = None):
@@ -101,20 +110,38 @@ class TargetRunner:
         return cls(_target_fn(target), target.hf, max_len, 1, tuple(step_lens), graphs)
 
     @classmethod
-    def for_hf(cls, hf, max_len: int, batch_size: int = 1, step_lens=(1,), graphs: bool | None = None):
+    def for_hf(cls, hf, max_len: int, batch_size: int = 1, step_lens=(1,), graphs: bool | None = None,
+               kv_window: int | None = None):
         """Logits only, any HF causal LM (batched generation for dataset regeneration)."""
-        return cls(_hf_fn(hf.eval()), hf, max_len, batch_size, tuple(step_lens), graphs)
+        return cls(_hf_fn(hf.eval()), hf, max_len, batch_size, tuple(step_lens), graphs, kv_window)
 
-    def _mask(self, slots: torch.Tensor) -> torch.Tensor:
-        """slots [q] -> bool [b, 1, q, L]. Every query also sees its own slot, so a padding query never has an empty
-        row (softmax over nothing is NaN, and NaN values in the cache would poison real rows through 0 * NaN)."""
-        causal = self.kv_idx[None, :] <= slots[:, None]                                     # [q, L]
-        own = self.kv_idx[None, :] == slots[:, None]
-        return ((causal[None] & self.valid[:, None, :]) | own[None])[:, None]
+    def _graphed_step(self, q: int, visible: int) -> GraphedStep:
+        """The (q, visible) step, captured now if new. Its warm-up runs on what the buffers hold: at construction
+        garbage into slots that are overwritten before use, later the real step's own (idempotent) cache writes."""
+        run = self._steps.get((q, visible))
+        if run is None:
+            b = self._bufs[q]
+            run = GraphedStep(lambda: self._forward(b["ids"], b["pos"], b["slots"], q, visible), self.graphs)
+            self._steps[(q, visible)] = run
+        return run
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, keep: int):
-        self.cache.slots = slots
-        return self.model_fn(ids, pos, self._mask(slots), self.cache_kwargs, keep)
+    def _visible(self, end: int) -> int:
+        """Slots attention reads for a forward whose tokens end before slot `end`."""
+        if self.kv_window is None:
+            return self.max_len
+        return min(self.max_len, -(-end // self.kv_window) * self.kv_window)
+
+    def _mask(self, slots: torch.Tensor, visible: int) -> torch.Tensor:
+        """slots [q] -> bool [b, 1, q, visible]. Every query also sees its own slot, so a padding query never has an
+        empty row (softmax over nothing is NaN, and NaN values in the cache would poison real rows through 0 * NaN)."""
+        kv_idx = self.kv_idx[:visible]
+        causal = kv_idx[None, :] <= slots[:, None]                                          # [q, visible]
+        own = kv_idx[None, :] == slots[:, None]
+        return ((causal[None] & self.valid[:, None, :visible]) | own[None])[:, None]
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, keep: int, visible: int):
+        self.cache.slots, self.cache.visible = slots, visible
+        return self.model_fn(ids, pos, self._mask(slots, visible), self.cache_kwargs, keep)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, pad_len: list[int] | None = None):
@@ -128,7 +155,7 @@ class TargetRunner:
         self.valid.copy_(self.kv_idx[None, :] >= pad[:, None])
         slots = torch.arange(P, device=self.device)
         pos = (slots[None, :] - pad[:, None]).clamp_(min=0)
-        return self._forward(ids.to(self.device), pos, slots, 1)
+        return self._forward(ids.to(self.device), pos, slots, 1, P if self.kv_window else self.max_len)
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, start: int):
@@ -137,8 +164,8 @@ class TargetRunner:
         q = ids.shape[-1]
         if start + q > self.max_len:
             raise ValueError(f"step at slots {start}..{start + q - 1} exceeds the cache of {self.max_len} slots")
-        bufs, run = self._steps[q]
+        bufs = self._bufs[q]
         bufs["ids"].copy_(ids.view(self.batch_size, q))
         torch.add(bufs["arange"], start, out=bufs["slots"])                 # a kernel launch, no host sync
         torch.sub(bufs["slots"][None, :], self.pad_len[:, None], out=bufs["pos"])
-        return run()
+        return self._graphed_step(q, self._visible(start + q))()
