@@ -180,3 +180,35 @@ def test_fused_ce_compiled_matches_eager():
     torch.testing.assert_close(loss_c, loss)
     torch.testing.assert_close(g_c, g)
     assert torch.equal(pred_c, pred)
+
+
+def test_frozen_target_weights_are_static_inputs_of_the_compiled_step():
+    """The embedding and LM head enter the compiled step as static inputs (as the drafter's parameters do), so
+    reduce-overhead never copies them into graph buffers; the features and the batch stay ordinary inputs. Each
+    replica's step has its own static tensors."""
+    from dflash_train.config import TrainConfig
+    from dflash_train.data.packing import TrainBatch
+    from dflash_train.training.step import DrafterStep
+
+    drafter, row, anchors, valid, feats, embed_w, head_w = _tiny_setup()
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    cfg = TrainConfig(compile="default", attention="sdpa", dtype="fp32", loss_chunk=7)
+    step = DrafterStep(drafter, embed_w, head_w, cfg, torch.device("cpu"), tag="static", backend=record)
+    other = DrafterStep(drafter, embed_w, head_w, cfg, torch.device("cpu"), tag="static2", backend=record)
+    assert step.embed_w is not other.embed_w and step.head_w is not other.head_w
+    batch = TrainBatch(**row, anchors=anchors, anchor_valid=valid)
+    step(batch, feats)
+    static, dynamic = set(), set()
+    for gm in graphs:
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                is_static = node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")
+                (static if is_static else dynamic).add(tuple(value.shape))
+    assert tuple(embed_w.shape) in static and tuple(feats.shape) in dynamic, (static, dynamic)
+    assert tuple(embed_w.shape) not in dynamic
