@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU session in one script (H200, torch 2.11, no network). Run from the repo root after staging SmolLM2:
 #   GGUF=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/gpu_suite.sh smollm2|trees|bench
+# TARGET_ATTN=flex trains with the target's document mask as a flex BlockMask (model.target_attention; default sdpa).
 # Inputs under the git-ignored .gpu/data: train_prompts.jsonl (first user turns of ShareGPT, file order) and
 # eval_prompts.jsonl (32 later, disjoint ones). Each stage has its own time limit; logs and results go to $OUT.
 set -u
@@ -19,11 +20,16 @@ smollm2() {
   stage "train the drafter: threaded pipeline, reduce-overhead steps in worker threads, one H200 shared"
   timeout 260 python3 -m dflash_train.cli train --config smollm2_gpu model.target="$GGUF" \
       data.source=/tmp/regen.jsonl run.out_dir=$RUN run.overwrite=true train.max_minutes="${TRAIN_MIN:-3.0}" \
+      model.target_attention="${TARGET_ATTN:-sdpa}" \
       2>&1 | grep -v -E "it/s\]|s/it\]" | tail -40
   cp $RUN/metrics.jsonl "$OUT/" 2>/dev/null; cp $RUN/*.png "$OUT/" 2>/dev/null
   stage "evaluate on 32 held-out prompts: lossless greedy speculative decoding vs target alone"
   timeout 150 python3 -m dflash_train.cli eval --drafter $RUN/drafter --target "$GGUF" \
       --prompts .gpu/data/eval_prompts.jsonl --max-new-tokens 256 --device cuda --out "$OUT/eval" 2>&1 | tail -40
+  stage "lossless verdict in fp32 on 8 held-out prompts (in bf16 near-ties may round differently)"
+  timeout 90 python3 -m dflash_train.cli eval --drafter $RUN/drafter --target "$GGUF" --dtype fp32 \
+      --prompts .gpu/data/eval_prompts.jsonl --num-prompts 8 --max-new-tokens 128 --device cuda \
+      --out "$OUT/eval_fp32" 2>&1 | tail -12
 }
 
 trees() {

@@ -264,12 +264,23 @@ def test_eval_cli_writes_report(eval_setup, capsys):
     assert rc == 0
     report = json.loads((out / "eval.json").read_text())
     s = report["summary"]
-    assert s["lossless"] is True and s["num_prompts"] == 3 and s["block_size"] == 4
+    assert s["lossless"] is True and s["num_prompts"] == 3 and s["block_size"] == 4 and s["dtype"] == "fp32"
     assert sum(s["accept_histogram"]) == s["steps"] > 0 and 1 <= s["mean_tau"] <= 4
     assert len(s["acceptance_by_position"]) == 3 and s["speedup"] > 0
     assert all(p["baseline"] == p["speculative"] for p in report["prompts"])
     assert (out / "eval.png").stat().st_size > 1000
     assert "lossless" in capsys.readouterr().out
+
+
+def test_eval_cli_dtype_sets_and_states_the_compute_dtype(eval_setup, capsys):
+    """--dtype bf16 runs target and drafter in bf16 (here on CPU) and says so in eval.json and on the console; the
+    verdict is not asserted: in bf16 near-ties may legitimately round differently (inference/benchmark.py)."""
+    root, target, drafter, prompts = eval_setup
+    out = root / "bf16"
+    assert main(["eval", "--drafter", drafter, "--target", target, "--prompts", prompts, "--max-new-tokens", "8",
+                 "--device", "cpu", "--dtype", "bf16", "--out", str(out)]) == 0
+    assert json.loads((out / "eval.json").read_text())["summary"]["dtype"] == "bf16"
+    assert "cpu, bf16, cuda graphs off" in capsys.readouterr().out
 
 
 def _one_error_line(capsys, *needles):

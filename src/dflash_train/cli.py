@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--num-prompts", type=int, default=None, help="use at most this many prompts")
     e.add_argument("--device", default="auto")
+    e.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                   help="target and drafter compute dtype (auto: bf16 on CUDA, fp32 on CPU); the lossless verdict "
+                        "is exact in fp32, in bf16 near-ties can round differently")
     e.add_argument("--out", default=None, help="output directory for eval.json and eval.png")
     e.set_defaults(fn=cmd_eval)
 

@@ -4,6 +4,14 @@ Both paths run on the same static-cache target runner (CUDA-graphed on GPU), one
 untimed warm-up generation each; times run from prefill to the last token (prefill included, identical in both).
 tau: mean acceptance length over a prompt's verification steps, then the mean over prompts (DFLASH.md). Lossless
 (greedy only): the speculative tokens equal the plain greedy tokens for every prompt.
+
+Numerics of the lossless verdict (`--dtype`, stated in eval.json and on the console): the rule is exact, but the two
+paths compute the target's logits in different passes: speculative decoding verifies B tokens in one forward
+(q = B), plain decoding feeds one token at a time (q = 1). In fp32 the two agree to ~1e-6 and the verdict is exact
+in practice (the CPU tests check it token for token). In bf16 the different kernel shapes and reduction orders can
+round a near-tie between the top two logits differently, so a correct decoder can report a mismatch; the report
+gives the target's top-2 logit margin at every first mismatch (a margin near 0 is such a tie). Measure speed in
+bf16 (`--dtype auto` on GPU) and check the verdict in fp32 on a few prompts (`--dtype fp32`).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from .target_runner import TargetRunner
 log = logging.getLogger("dflash_train")
 
 DEFAULT_NUM_PROMPTS = 16
+EVAL_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}  # None: bf16 on CUDA, fp32 on CPU
+DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 
 class ModelMismatchError(UserError):
@@ -76,6 +86,7 @@ class EvalReport:
     max_new_tokens: int
     device: str
     graphs: bool
+    dtype: str = ""                      # the target's (and the drafter's) compute dtype: bf16 | fp32 | ...
     prompts: list[PromptReport] = field(default_factory=list)
 
     # ------------------------------------------------------------------ aggregates
@@ -131,7 +142,8 @@ class EvalReport:
         spec_tps, spec_ms = self._rate("speculative", "speculative_s")
         return {
             "num_prompts": len(self.prompts), "block_size": self.block_size, "temperature": self.temperature,
-            "max_new_tokens": self.max_new_tokens, "device": self.device, "cuda_graphs": self.graphs,
+            "max_new_tokens": self.max_new_tokens, "device": self.device, "dtype": self.dtype,
+            "cuda_graphs": self.graphs,
             "mean_tau": self.mean_tau, "steps": len(self.steps),
             "tau_step_weighted": sum(self.steps) / len(self.steps) if self.steps else None,
             "accept_histogram": self.accept_histogram,
@@ -184,7 +196,9 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
     t_run = TargetRunner.for_target(target, max_len, step_lens=(1, B), graphs=graphs)
     d_run = DrafterRunner(drafter, target, max_len, B, graphs) if isinstance(drafter, DFlashDrafter) else drafter
     gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
-    report = EvalReport(B, temperature, max_new_tokens, str(target.device), t_run.graphs)
+    dtype = target.embed_tokens.weight.dtype
+    report = EvalReport(B, temperature, max_new_tokens, str(target.device), t_run.graphs,
+                        DTYPE_NAMES.get(dtype, str(dtype)))
     if warmup:  # first calls pay for allocator growth and kernel selection: keep them out of the timings
         target_generate(t_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature, stop_ids, gen)
         speculative_generate(t_run, d_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature,
@@ -230,7 +244,9 @@ def run_eval_cli(args) -> int:
     check_prompt_lengths(prompt_ids, args.max_new_tokens, info.max_position_embeddings, info.vocab_size)
 
     device = resolve_device(args.device)
-    target = load_target(args.target, dcfg.target_layer_ids, device=device, truncate=False)
+    # The drafter runs in the target's dtype (DrafterRunner), so --dtype sets both.
+    target = load_target(args.target, dcfg.target_layer_ids, device=device, dtype=EVAL_DTYPES[args.dtype],
+                         truncate=False)
     drafter = load_drafter(args.drafter, device)
     report = evaluate(target, drafter, prompt_ids, args.max_new_tokens, args.temperature, args.block_size,
                       stop_ids=stop_token_ids(target.hf, tokenizer))

@@ -78,5 +78,5 @@ def format_summary(report) -> str:
     ]
     w0 = max(len(r[0]) for r in rows)
     head = (f"eval: {s['num_prompts']} prompts, max {s['max_new_tokens']} new tokens, T={s['temperature']:g}, "
-            f"{s['device']}, cuda graphs {'on' if s['cuda_graphs'] else 'off'}")
+            f"{s['device']}, {s['dtype']}, cuda graphs {'on' if s['cuda_graphs'] else 'off'}")
     return "\n".join([head] + [f"  {a:<{w0}}  {b:>12}  {c}" for a, b, c in rows])
