@@ -28,9 +28,10 @@ DEFAULT_ORDER = ["drafter", "target", "colocated", "pipeline", "generate"]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="gpu", choices=["gpu", "cpu-smoke"])
+    p.add_argument("--suite", default="gpu", choices=["gpu", "cpu-smoke", "cpu-generate"],
+                   help="cpu-generate: the smoke shapes, but a generation shape large enough to time on a CPU")
     p.add_argument("--only", default="", help="comma-separated benchmarks (default: all): "
-                                              "matmul, drafter, target, colocated, pipeline")
+                                              "matmul, drafter, target, colocated, pipeline, generate")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip variants that would start past this many seconds (gpu default 450)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per variant")

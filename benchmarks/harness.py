@@ -7,6 +7,7 @@ never stops the run. Rows land in `ctx.rows`; bench.py prints them as the final 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import statistics
@@ -66,6 +67,12 @@ SUITES = {
                        generate=dict(target=dict(TINY, vocab_size=256), batch=4, prompts=16, new_tokens=8,
                                      max_length=256, median_prompt=12)),
 }
+# `--suite cpu-generate --only generate`: batched generation at a shape where the KV cache, not Python, dominates.
+SUITES["cpu-generate"] = dataclasses.replace(
+    SUITES["cpu-smoke"], name="cpu-generate", cpu_threads=1,
+    generate=dict(target=dict(TINY, hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64,
+                              vocab_size=2048, max_position_embeddings=2048),
+                  batch=16, prompts=128, new_tokens=32, max_length=1024, median_prompt=60))
 
 
 @dataclass
