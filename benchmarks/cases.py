@@ -504,7 +504,7 @@ def bench_generate(ctx: Context):
     captures, as a regeneration run does. ms = one batch on average; tok/s = generated tokens per second."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_train.data.regenerate import LOOKAHEAD_BATCHES, MIN_CACHE_SLOTS
+    from dflash_train.data.regenerate import LOOKAHEAD_BATCHES, cache_slots
     from dflash_train.inference.baseline import BatchGenerator
 
     s, dev, g = ctx.suite, ctx.device, ctx.suite.generate
@@ -528,11 +528,8 @@ def bench_generate(ctx: Context):
                 torch.set_default_dtype(default)
         return ctx.cache["generate_hf"].eval()
 
-    def slots_for(need: int) -> int:  # regenerate's cache sizes: powers of two from MIN_CACHE_SLOTS, capped
-        slots = MIN_CACHE_SLOTS
-        while slots < need:
-            slots *= 2
-        return max(min(slots, max_len), need)
+    def slots_for(need: int) -> int:
+        return cache_slots(need, max_len)
 
     def arrival() -> list[list[int]]:
         return [list(range(i, min(i + b, n))) for i in range(0, n, b)]

@@ -1,4 +1,5 @@
-"""Speculative decoding: lossless greedy, exact caches, acceptance-rule statistics, stop rules, eval CLI errors.
+"""Speculative decoding: lossless greedy, exact caches, acceptance-rule statistics, stop rules, eval CLI errors;
+batched generation (windows, reused caches, length-sorted regeneration pools).
 
 References here are deliberately naive: greedy decoding re-runs the whole sequence every token (no cache), and the
 drafter reference recomputes all context features from scratch for every block.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -15,7 +17,9 @@ import torch
 from conftest import make_tiny_target
 from dflash_train.cli import main
 from dflash_train.config import ModelConfig
-from dflash_train.inference.baseline import generate_batch, target_generate
+from dflash_train.data.regenerate import RegenerateSettings, RegenerateStats, Regenerator
+from dflash_train.data.sources import Conversation
+from dflash_train.inference.baseline import BatchGenerator, generate_batch, target_generate
 from dflash_train.inference.benchmark import ModelMismatchError, evaluate
 from dflash_train.inference.drafter_runner import DrafterRunner
 from dflash_train.inference.speculative import accept_sampled, speculative_generate
@@ -186,6 +190,73 @@ def test_generate_batch_matches_single_prompt_greedy(tiny_qwen3):
     cut = generate_batch(t.hf, prompts, 12, eos_ids=[eos])
     for ref, got in zip(refs, cut):
         assert got == (ref[: ref.index(eos) + 1] if eos in ref else ref)
+
+
+@pytest.mark.parametrize("kv_window", [None, 4])
+def test_batch_generator_reused_across_batches_matches_greedy(tiny_qwen3, kv_window):
+    """One generator (cache of 40 slots) serves batches of different lengths and sizes; with a 4-slot window the
+    decode steps cross many windows (each its own step) and the prefill attends over its own slots only."""
+    t = load_target(tiny_qwen3, LAYERS, truncate=False)
+    gen = BatchGenerator(t.hf, 3, 40, kv_window=kv_window)
+    batches = [[[3], [7, 8, 9, 10, 11, 12], [20, 21, 22]], [[5, 6], [9]], [[1, 2] * 9, [4] * 5, [6]]]
+    for prompts in batches:
+        assert gen.generate(prompts, 13) == [naive_greedy(t, p, 13) for p in prompts]
+    if kv_window:
+        assert {v for _, v in gen.runner._steps} == set(range(4, 33, 4))  # windows of 4 slots up to 18 + 13
+
+
+class CharTokenizer:
+    """Just enough of a HF tokenizer for regeneration: a chat template, ids from characters, decode to text."""
+    chat_template = "stub"
+    pad_token_id = 0
+    eos_token_id = None
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + ord(c) % 100 for c in text]}
+
+    def decode(self, tokens, skip_special_tokens=True):
+        return " ".join(str(t) for t in tokens)
+
+
+def test_length_sorted_pools_keep_every_reply_and_cut_padding(tiny_llama, monkeypatch):
+    """Sorting a pool by prompt length changes which prompts share a batch, not what the target answers: every
+    conversation (multi-turn ones turn by turn) gets the same records as with batches in arrival order, with less
+    left padding."""
+    hf = load_target(tiny_llama, LAYERS, truncate=False).hf
+    convs = []
+    for i, n in enumerate([3, 40, 5, 60, 4, 8, 50, 6, 7, 45, 2, 9]):
+        msgs = [{"role": "user", "content": "q" * n}, {"role": "assistant", "content": "old answer"}]
+        if i % 4 == 0:  # a second turn: generated after the first reply, from a history holding it
+            msgs += [{"role": "user", "content": "again"}, {"role": "assistant", "content": "old"}]
+        convs.append((f"c{i}_0", Conversation(f"c{i}", msgs), True))
+    settings = RegenerateSettings("test", "tiny", max_new_tokens=5, temperature=0.0, single_turn=False,
+                                  max_length=256)
+    padding = Counter()
+    generate = BatchGenerator.generate
+
+    def spy(self, prompts, *args, **kw):
+        padding[lookahead] += sum(max(map(len, prompts)) - len(p) for p in prompts)
+        return generate(self, prompts, *args, **kw)
+
+    monkeypatch.setattr(BatchGenerator, "generate", spy)
+
+    class Bar:
+        def update(self, n=1): ...
+        def set_postfix_str(self, *a, **k): ...
+
+    records = {}
+    for lookahead in (1, 4):
+        out: list[dict] = []
+        stats = RegenerateStats()
+        Regenerator(hf, CharTokenizer(), settings, 3, stop_ids=[], lookahead=lookahead).run(
+            iter(convs), out.append, lambda: None, stats, Bar())
+        assert stats.turns == len(convs) + 3 and stats.conversations == len(convs)
+        records[lookahead] = {r["id"]: r["messages"] for r in out}
+    assert records[1] == records[4] and len(records[1]) == len(convs)
+    assert padding[4] < padding[1] / 3, padding
 
 
 # ------------------------------------------------------------------------------------------ sampling

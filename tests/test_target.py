@@ -35,18 +35,26 @@ def test_truncation_drops_later_layers_without_changing_features(tiny_target):
     torch.testing.assert_close(cut.features(*args), full.features(*args))
 
 
-def test_packed_documents_get_the_same_features_as_alone(tiny_target):
-    t = load_target(tiny_target, [1, 3])
-    g = torch.Generator().manual_seed(0)
-    docs = [Sample(torch.randint(0, 128, (n,), generator=g).tolist(), [True] * n) for n in (7, 11, 5)]
-    (row,) = pack_samples(docs, 32)
-    packed = t.features(row.input_ids, row.position_ids, row.doc_ids)
+def random_docs(lengths, seed: int) -> list[Sample]:
+    g = torch.Generator().manual_seed(seed)
+    return [Sample(torch.randint(0, 128, (n,), generator=g).tolist(), [True] * n) for n in lengths]
+
+
+def assert_features_alone(target, docs: list[Sample], packed: torch.Tensor) -> None:
+    """packed [T, k*H] starts with each document's features as `target` computes them for the document alone."""
     start = 0
     for d in docs:
         n = len(d.input_ids)
-        alone = t.features(torch.tensor(d.input_ids), torch.arange(n), torch.zeros(n, dtype=torch.long))
+        alone = target.features(torch.tensor(d.input_ids), torch.arange(n), torch.zeros(n, dtype=torch.long))
         torch.testing.assert_close(packed[start:start + n], alone, atol=1e-5, rtol=1e-5)
         start += n
+
+
+def test_packed_documents_get_the_same_features_as_alone(tiny_target):
+    t = load_target(tiny_target, [1, 3])
+    docs = random_docs((7, 11, 5), seed=0)
+    (row,) = pack_samples(docs, 32)
+    assert_features_alone(t, docs, t.features(row.input_ids, row.position_ids, row.doc_ids))
 
 
 def test_flex_target_attention_is_exact(tiny_target):
@@ -55,18 +63,12 @@ def test_flex_target_attention_is_exact(tiny_target):
     sdpa = load_target(tiny_target, [1, 3], attention="sdpa")
     flex = load_target(tiny_target, [1, 3], attention="flex")
     assert (sdpa.attention, flex.attention) == ("sdpa", "flex")
-    g = torch.Generator().manual_seed(1)
-    docs = [Sample(torch.randint(0, 128, (n,), generator=g).tolist(), [True] * n) for n in (70, 41, 30)]
+    docs = random_docs((70, 41, 30), seed=1)
     (row,) = pack_samples(docs, 160)  # 19 padding tokens; T not a multiple of flex's 128-token tiles
     args = (row.input_ids, row.position_ids, row.doc_ids)
     packed = flex.features(*args)
     torch.testing.assert_close(packed, sdpa.features(*args), atol=1e-5, rtol=1e-5)
-    start = 0
-    for d in docs:
-        n = len(d.input_ids)
-        alone = sdpa.features(torch.tensor(d.input_ids), torch.arange(n), torch.zeros(n, dtype=torch.long))
-        torch.testing.assert_close(packed[start:start + n], alone, atol=1e-5, rtol=1e-5)
-        start += n
+    assert_features_alone(sdpa, docs, packed)  # alone through sdpa: one flex compile (one shape) per test
 
 
 def test_flex_target_refuses_the_inference_path(tiny_llama):

@@ -159,6 +159,15 @@ def check_settings(out_path: Path, settings: RegenerateSettings, replace: bool) 
 
 # ---------------------------------------------------------------------------------------------- generation
 
+def cache_slots(needed: int, max_length: int) -> int:
+    """Static cache size for a batch needing `needed` slots: a power of two from MIN_CACHE_SLOTS, capped at
+    max_length (few sizes, so a run allocates few caches)."""
+    slots = MIN_CACHE_SLOTS
+    while slots < needed:
+        slots *= 2
+    return max(min(slots, max_length), needed)
+
+
 class Regenerator:
     """Batched turn-by-turn regeneration with one HF causal LM. Conversations flow through a pool: every round
     generates the next reply of up to batch_size conversations, so multi-turn chats never hold a batch half empty
@@ -185,12 +194,9 @@ class Regenerator:
     def _batch_generator(self, slots_needed: int):
         from ..inference.baseline import BatchGenerator
 
-        slots = MIN_CACHE_SLOTS
-        while slots < slots_needed:
-            slots *= 2
-        slots = max(min(slots, self.settings.max_length), slots_needed)
         if self._generator is None or self._generator.runner.max_len < slots_needed:
             self._generator = None  # free the smaller cache (and its graphs) before allocating the larger one
+            slots = cache_slots(slots_needed, self.settings.max_length)
             self._generator = BatchGenerator(self.hf, self.batch_size, slots, self.graphs)
         return self._generator
 
