@@ -42,3 +42,13 @@ def tiny_qwen3(tmp_path_factory):
 @pytest.fixture(params=["llama", "qwen3"])
 def tiny_target(request, tiny_llama, tiny_qwen3):
     return {"llama": tiny_llama, "qwen3": tiny_qwen3}[request.param]
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models are launch-bound: extra intra-op threads only contend (10x slower on a loaded 2-core box).
+    Use per module: pytestmark = pytest.mark.usefixtures("one_thread")."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

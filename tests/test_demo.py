@@ -1,0 +1,206 @@
+"""The newcomer's path: doctor, regenerate, the time budget, training plots and the demo, on tiny chat models (CPU)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.cli import main
+from dflash_train.config import ConfigError, DataConfig, load_config
+from dflash_train.data.conversations import load_chat_dataset
+from dflash_train.data.regenerate import read_done_ids
+from dflash_train.data.sources import iter_conversations
+from dflash_train.models.target import load_tokenizer
+from dflash_train.training.plots import write_training_plots
+from tiny_chat import make_tiny_chat_target, write_chats
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run fastest on one thread
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    return make_tiny_chat_target(tmp_path_factory.mktemp("tiny_chat"))
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------ doctor
+
+def test_doctor_eager_passes_and_names_every_check(capsys):
+    assert main(["doctor", "--compile", "eager", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for name in ("versions", "embedded target", "bundled data", "cuda-graph policy", "drafter step in a worker thread"):
+        assert any(line.strip().startswith("PASS") and name in line for line in out.splitlines()), (name, out)
+    assert "gradients match eager" in out and "all checks passed" in out
+
+
+def test_doctor_fails_with_a_fix(capsys):
+    # reduce-overhead needs CUDA graphs; on a CPU-only machine that is a FAIL that says what to do instead.
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert main(["doctor", "--compile", "reduce-overhead", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  compile mode" in out and "fix: use --compile default" in out and "1 check(s) FAILED" in out
+
+
+# ------------------------------------------------------------------------------------------ regenerate
+
+def test_regenerate_writes_valid_jsonl_and_resumes(chat_target, tmp_path, capsys):
+    data = write_chats(tmp_path / "chats.jsonl", 12, turns=2)
+    out = tmp_path / "regen.jsonl"
+    args = ["regenerate", "--target", chat_target, "--data", str(data), "--out", str(out), "--max-new-tokens", "6",
+            "--batch-size", "4", "--device", "cpu"]
+    assert main(args + ["--max-samples", "5"]) == 0
+    first = _records(out)
+    assert len(first) == 5 and "generated tokens/s" in capsys.readouterr().out
+    # Interrupted mid-write: a cut last line is dropped, and that conversation is regenerated.
+    with open(out, "a") as f:
+        f.write('{"id": "chat5_0", "messa')
+    assert main(args) == 0
+    recs = _records(out)
+    ids = [r["id"] for r in recs]
+    assert len(ids) == len(set(ids)) == 12 and recs[:5] == first   # nothing duplicated, nothing redone
+    assert set(ids) == {f"chat{i}_0" for i in range(12)}
+    src = {c.key: c.messages for c in iter_conversations(data, Counter())}
+    for r in recs:  # user turns kept in order, every assistant turn rewritten by the target
+        orig = src[r["id"].rsplit("_", 1)[0]]
+        assert [m["role"] for m in r["messages"]] == [m["role"] for m in orig][: len(r["messages"])]
+        assert [m["content"] for m in r["messages"] if m["role"] == "user"] == \
+            [m["content"] for m in orig if m["role"] == "user"][: sum(m["role"] == "user" for m in r["messages"])]
+        assert r["messages"][-1]["role"] == "assistant"
+        assert all(m["content"] != o["content"] for m, o in zip(r["messages"], orig) if m["role"] == "assistant")
+    # The data loader reads it back with the source's split: the ids carry the keys.
+    tok = load_tokenizer(chat_target)
+    split = lambda source: load_chat_dataset(DataConfig(source=str(source), heldout_fraction=0.3), tok, cache_dir=None)
+    regen, orig = split(out), split(data)
+    assert len(regen.train) == len(orig.train) and regen.heldout_messages[0][0] == orig.heldout_messages[0][0]
+    assert main(args + ["--max-new-tokens", "7"]) == 2  # other settings: refused, not silently mixed
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_regenerate_single_turn_and_too_long(chat_target, tmp_path):
+    data = write_chats(tmp_path / "chats.jsonl", 4, turns=3)
+    out = tmp_path / "regen.jsonl"
+    assert main(["regenerate", "--target", chat_target, "--data", str(data), "--out", str(out), "--single-turn",
+                 "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert all(len(r["messages"]) == 2 for r in _records(out))
+    short = tmp_path / "short.jsonl"  # the first prompt (~50 tokens) + 4 new tokens never fits in 40
+    assert main(["regenerate", "--target", chat_target, "--data", str(data), "--out", str(short),
+                 "--max-length", "40", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert short.read_text() == ""
+
+
+def test_train_with_data_regenerate(chat_target, tmp_path):
+    from dflash_train.training.trainer import train_single_device
+
+    data = write_chats(tmp_path / "chats.jsonl", 60, turns=2)
+    out = tmp_path / "run"
+    cfg = load_config("tiny_cpu", [f"model.target={chat_target}", f"data.source={data}", "data.regenerate=true",
+                                   "data.regenerate_max_new_tokens=6", "data.max_samples=20",
+                                   "data.heldout_fraction=0.2", "data.heldout_max=3", "train.max_steps=3",
+                                   f"run.out_dir={out}"])
+    res = train_single_device(cfg)
+    recs = _records(out / "regenerated.jsonl")
+    assert res.steps == 3 and len(recs) == 23  # 20 regenerated training chats + 3 held-out ones copied unchanged
+    with pytest.raises(ConfigError, match="needs chat data"):
+        load_config("tiny_cpu", ["data.regenerate=true"])
+
+
+# ------------------------------------------------------------------------------------------ time budget, plots
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_time_budget_stops_the_pipeline_on_the_same_step(tiny_llama, tmp_path, replicas):
+    from dflash_train.pipeline.coordinator import train_pipeline
+
+    cfg = load_config("tiny_cpu", [f"model.target={tiny_llama}", f"run.out_dir={tmp_path / 'run'}",
+                                   "train.max_steps=100000", "train.max_minutes=0.02",
+                                   f"pipeline.drafter_devices={['cpu'] * replicas}"])
+    res = train_pipeline(cfg)
+    assert 0 < res.steps < 100000                          # stopped by the clock, finished normally
+    assert all(len(set(c)) == 1 for c in res.replica_checksums)  # replicas identical at every step
+    assert (res.drafter_dir / "model.safetensors").is_file() and (tmp_path / "run" / "training.png").is_file()
+    state = torch.load(tmp_path / "run" / "checkpoints" / f"step_{res.steps:08d}" / "training_state.pt",
+                       weights_only=False)
+    assert state["scheduler"]["last_epoch"] == res.steps   # the schedule kept its configured length
+
+
+def test_time_budget_single_device_logs_the_last_step(tiny_llama, tmp_path):
+    from dflash_train.training.trainer import train_single_device
+
+    cfg = load_config("tiny_cpu", [f"model.target={tiny_llama}", f"run.out_dir={tmp_path}", "train.max_steps=100000",
+                                   "train.max_minutes=0.01", "train.log_every=1000"])
+    res = train_single_device(cfg)
+    assert 0 < res.steps < 100000 and res.history[-1]["step"] == res.steps
+    with pytest.raises(ConfigError, match="max_minutes"):
+        load_config("tiny_cpu", ["train.max_minutes=0"])
+
+
+def test_training_plots(tmp_path):
+    hist = [{"step": s, "loss": 5.0 / s, "acc": [min(1.0, 0.1 * s)] * 7, "tau_est": 1 + 0.2 * s} for s in range(1, 9)]
+    path = write_training_plots(tmp_path, hist)
+    assert path == tmp_path / "training.png" and path.stat().st_size > 10_000
+    assert write_training_plots(tmp_path / "empty", []) is None
+
+
+# ------------------------------------------------------------------------------------------ demo
+
+def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys):
+    data = write_chats(tmp_path / "chats.jsonl", 200)
+    out = tmp_path / "demo"
+    rc = main(["demo", "--device", "cpu", "--out", str(out), "--minutes", "0.02", f"model.target={chat_target}",
+               f"data.source={data}", "data.max_samples=40", "data.heldout_fraction=0.05", "model.num_draft_layers=1",
+               "model.block_size=4", "train.token_budget=128", "train.num_anchors=8"])
+    assert rc == 0
+    table = capsys.readouterr().out
+    for needle in ("before (random init)", "after training", "mean tau (B=4)", "lossless (greedy)",
+                   "target-only tokens/s", "speculative tokens/s", "training:", "wall time"):
+        assert needle in table, (needle, table)
+    assert table.count("yes (8/8 identical)") == 2  # lossless before and after
+    demo = json.loads((out / "demo.json").read_text())
+    assert demo["steps"] > 0 and demo["after"]["lossless"] is True
+    for f in ("training.png", "eval_before/eval.json", "eval_after/eval.png", "drafter/model.safetensors",
+              "demo.txt"):
+        assert (out / f).is_file(), f
+
+
+def test_read_done_ids_ignores_garbage(tmp_path):
+    p = tmp_path / "x.jsonl"
+    p.write_text('{"id": "a_0", "messages": []}\nnot json\n[1, 2]\n{"id": "b_0"}\n{"id": "c_')
+    assert read_done_ids(p) == {"a_0", "b_0"}
+    assert p.read_text().endswith('{"id": "b_0"}\n')
+
+
+# ------------------------------------------------------------------------------------------ the real SmolLM2
+
+@pytest.mark.slow
+def test_embedded_target_conversion_is_exact_and_regenerates(tmp_path):
+    """The demo's one-time GGUF -> HF directory conversion keeps the logits bit-identical; the converted target
+    regenerates a real ShareGPT conversation with its own chat template and stops at its end-of-turn token."""
+    from dflash_train.data.regenerate import (RegenerateSettings, load_generation_model, regenerate_dataset,
+                                              iter_source_records)
+    from dflash_train.demo import local_embedded_target
+    from dflash_train.models.target import load_target
+
+    local = local_embedded_target(tmp_path / "cache")
+    assert local_embedded_target(tmp_path / "cache") == local  # converted once
+    ids = torch.tensor([[1, 540, 2017, 314, 253, 1695, 30]])
+    with torch.no_grad():
+        a = load_target(None, [0], truncate=False).hf(ids).logits
+        b = load_target(str(local), [0], truncate=False).hf(ids).logits
+    assert torch.equal(a, b)
+    tok = load_tokenizer(str(local))
+    hf = load_generation_model(str(local), torch.device("cpu"))
+    items = [(rid, conv, True) for _, (rid, conv) in zip(range(2), iter_source_records("sharegpt", Counter()))]
+    out = tmp_path / "regen.jsonl"
+    settings = RegenerateSettings("sharegpt", str(local), 24, 0.0, True, 1024)
+    stats = regenerate_dataset(hf, tok, items, out, settings, batch_size=2)
+    recs = _records(out)
+    assert stats.turns == 2 and len(recs) + sum(stats.dropped.values()) == 2
+    assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in recs)
