@@ -52,3 +52,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def assert_same_weights(dir_a, dir_b) -> None:
+    """Two servable drafter directories hold bit-identical weights."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    wa, wb = (load_file(str(Path(d) / "model.safetensors")) for d in (dir_a, dir_b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k

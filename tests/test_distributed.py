@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_weights
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 THIS = str(Path(__file__).resolve())
@@ -85,16 +86,6 @@ def rank_results(prefix: Path) -> list[dict]:
     return [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def weights(drafter_dir) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-    return load_file(str(Path(drafter_dir) / "model.safetensors"))
-
-
-def assert_same_weights(a, b):
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> str:
@@ -192,7 +183,7 @@ def test_a_rank_that_dies_hard_does_not_hang_the_other(tiny_llama, tmp_path):
              f"run.out_dir={tmp_path / 'run'}", *COMMON, "train.max_steps=1000"],
             env=env, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     t0 = time.monotonic()
-    out1 = finish(procs[1], 90)
+    finish(procs[1], 90)
     out0 = finish(procs[0], 60)
     assert procs[1].returncode == 9
     assert procs[0].returncode != 0

@@ -33,13 +33,7 @@ LAYERS = [1, 2]
 V = 128  # tiny target vocabulary; the mask token is V - 1
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models are launch-bound: extra intra-op threads only contend (10x slower on a loaded 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run fastest on one thread
 
 
 def make_drafter(path, block_size: int, seed: int = 0, layers=LAYERS, mask=V - 1):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from conftest import assert_same_weights
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.pipeline.coordinator import train_pipeline
@@ -38,15 +38,6 @@ def pipeline_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
 
 
-def weights(drafter_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(drafter_dir) / "model.safetensors"))
-
-
-def assert_same_weights(a, b):
-    wa, wb = weights(a), weights(b)
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        assert torch.equal(wa[k], wb[k]), k
 
 
 def test_two_replicas_stay_identical_every_step(tiny_llama, tmp_path):
