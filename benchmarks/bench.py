@@ -5,7 +5,7 @@
   PYTHONPATH=src python3 benchmarks/bench.py --only drafter,target     # a subset (matmul always runs: MFU needs it)
   PYTHONPATH=src python3 benchmarks/bench.py --suite cpu-smoke         # every benchmark at tiny shapes, seconds
 
-Results also go to $OUT/bench_results.json (or ./bench_results.json). Benchmarks live in cases.py, registered
+Results also go to $OUT/bench_results.json (or ./bench_results.json). Benchmarks live in cases.py and cases_end_to_end.py, registered
 with @benchmark; shapes per suite in harness.py. docs/BENCHMARKS.md records the figures and what they mean.
 Exit status 1 when a variant failed (the table still prints; the JSON keeps its traceback).
 """
@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import torch
 
-    import cases  # noqa: F401 - registers the benchmarks
+    import cases  # noqa: F401 - registers the stage benchmarks
+    import cases_end_to_end  # noqa: F401 - registers the pipeline and generation benchmarks
     from harness import BENCHMARKS, SUITES, Context, Row, first_line
 
     suite = SUITES[args.suite]
