@@ -24,10 +24,12 @@ smollm2() {
       2>&1 | grep -v -E "it/s\]|s/it\]" | tail -40
   cp $RUN/metrics.jsonl "$OUT/" 2>/dev/null; cp $RUN/*.png "$OUT/" 2>/dev/null
   stage "evaluate on 32 held-out prompts: lossless greedy speculative decoding vs target alone"
-  timeout 150 python3 -m dflash_train.cli eval --drafter $RUN/drafter --target "$GGUF" \
+  # A run stopped by the time limit has no drafter/ yet; its last checkpoint is a servable drafter too.
+  D=$RUN/drafter; [ -f "$D/config.json" ] || D=$(ls -d $RUN/checkpoints/step_* 2>/dev/null | tail -1)
+  timeout 150 python3 -m dflash_train.cli eval --drafter "$D" --target "$GGUF" \
       --prompts .gpu/data/eval_prompts.jsonl --max-new-tokens 256 --device cuda --out "$OUT/eval" 2>&1 | tail -40
   stage "lossless verdict in fp32 on 8 held-out prompts (in bf16 near-ties may round differently)"
-  timeout 90 python3 -m dflash_train.cli eval --drafter $RUN/drafter --target "$GGUF" --dtype fp32 \
+  timeout 90 python3 -m dflash_train.cli eval --drafter "$D" --target "$GGUF" --dtype fp32 \
       --prompts .gpu/data/eval_prompts.jsonl --num-prompts 8 --max-new-tokens 128 --device cuda \
       --out "$OUT/eval_fp32" 2>&1 | tail -12
 }
