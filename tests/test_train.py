@@ -27,15 +27,15 @@ def tiny_cfg(target, out, **over):
 
 
 def test_tiny_run_learns_the_predictable_stream(tiny_llama, tmp_path):
-    # The synthetic stream is fully determined by its previous token (period 8): chance is 1/8 at best.
-    cfg = tiny_cfg(tiny_llama, tmp_path / "run", **{"train.max_steps": 80})
+    # The synthetic stream is fully determined by its previous token (period 8): a random drafter scores ~1/128
+    # (the vocabulary), the best unigram guess 1/8; a drafter that learned the rule scores 1 at every position.
+    cfg = tiny_cfg(tiny_llama, tmp_path / "run", **{"train.max_steps": 80, "train.log_every": 1})
     res = train_single_device(cfg)
     first, last = res.history[0], res.history[-1]
-    # The frozen random LM head caps the logit margin, so the loss floors near 2.4; accuracy is what must move.
-    assert last["loss"] < 0.8 * first["loss"]
-    assert first["acc"][0] < 0.5 and last["acc"][0] > 0.9, (first["acc"], last["acc"])
-    assert last["tau_est"] > 6.0                      # B = 8, so tau <= 8
-    assert (res.drafter_dir / "model.safetensors").is_file()
+    assert first["acc"][0] < 0.3, first["acc"]
+    assert last["acc"][0] > 0.95, last["acc"]
+    assert last["loss"] < 0.25 * first["loss"]
+    assert last["tau_est"] > 7.0                      # B = 8, so tau <= 8
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -122,3 +122,16 @@ def test_compile_policy_is_applied_on_import():
 
     assert inductor_config.triton.cudagraph_trees is False
     assert functorch_config.donated_buffer is False
+
+
+def test_fresh_drafter_output_gain_matches_the_head(tiny_llama, tmp_path):
+    """A fresh run scales the final-norm gain to 1 / mean row norm of the frozen LM head (near-uniform start)."""
+    from dflash_train.models.build import init_output_norm
+
+    cfg = load_config(None, [f"model.target={tiny_llama}", "model.mask_token_id=127"])
+    d = build_drafter(cfg.model, target_config_info(tiny_llama))
+    head = torch.full((10, 4), 0.5)                       # every row has norm 1.0
+    assert init_output_norm(d, head) == pytest.approx(1.0)
+    assert torch.all(d.norm.weight == 1.0)
+    init_output_norm(d, 2 * head)
+    assert torch.allclose(d.norm.weight, torch.full_like(d.norm.weight, 0.5))

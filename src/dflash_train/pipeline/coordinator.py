@@ -31,6 +31,7 @@ import torch
 from ..config import Config, ConfigError
 from ..errors import UserError
 from ..models.checkpoint import save_drafter
+from ..models.build import init_output_norm
 from ..models.target import load_target
 from ..training.budget import TimeBudget
 from ..training.checkpointing import CheckpointManager, set_rng_state
@@ -89,6 +90,8 @@ class _Pipeline:
         self.start_step = state["step"] if state else 0
         targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d,
                                attention=cfg.model.target_attention) for d in target_devices]
+        if state is None and not cfg.model.drafter_init:
+            init_output_norm(init, targets[0].lm_head.weight)  # before replicas copy it: the same on every rank
         self.control = RunControl(faults)
         self.faults, self.phase, self._steps_seen = faults, "startup", self.start_step
         self._thread = threading.current_thread()

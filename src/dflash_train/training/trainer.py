@@ -13,6 +13,7 @@ import torch
 
 from ..config import Config
 from ..models.checkpoint import save_drafter
+from ..models.build import init_output_norm
 from ..models.target import load_target
 from .budget import TimeBudget
 from .checkpointing import CheckpointManager, set_rng_state
@@ -55,6 +56,8 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
             drafter, state, path = found
             start_step = state["step"]
             log.info(f"resuming from {path} at step {start_step}")
+    if state is None and not cfg.model.drafter_init:
+        init_output_norm(drafter, target.lm_head.weight)
     drafter = drafter.float().to(device).train()
     params = list(drafter.parameters())
     optimizer = build_optimizer(params, cfg.train, device)
