@@ -70,7 +70,6 @@ class DataConfig:
     heldout_fraction: float = _f(0.01, "Fraction of conversations held out for evaluation (deterministic split).")
     heldout_max: int = _f(256, "At most this many held-out conversations.")
     cache_dir: str | None = _f(None, "Where tokenized datasets are cached. Empty = <out_dir>/../.cache.")
-    synthetic_vocab: int = _f(64, "synthetic source: number of distinct tokens in the repeating stream.")
     synthetic_period: int = _f(8, "synthetic source: the stream repeats every this many tokens.")
     synthetic_samples: int = _f(256, "synthetic source: number of documents.")
     regenerate: bool = _f(False, "Before training, the target rewrites the assistant turns of the training "

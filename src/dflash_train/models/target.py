@@ -194,7 +194,6 @@ class TargetModel(nn.Module):
                               f" for this {self.info.num_layers}-layer target.")
         self.layer_ids = list(layer_ids)
         self.hf = hf_model.eval().requires_grad_(False)
-        self.full_layers = layers
         if truncate:
             # Layers after the deepest tap never influence the features: don't run them.
             base.layers = nn.ModuleList(list(layers)[: max(layer_ids) + 1])

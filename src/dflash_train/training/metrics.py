@@ -16,15 +16,6 @@ import torch
 log = logging.getLogger("dflash_train")
 
 
-def flops_per_token_drafter(cfg) -> float:
-    """Rough dense training FLOPs per block position (fwd + bwd = 3x fwd), excluding attention scores."""
-    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    q = cfg.num_attention_heads * cfg.head_dim
-    kv = cfg.num_key_value_heads * cfg.head_dim
-    per_layer = 2 * H * (2 * q + 2 * kv) + 2 * 3 * H * I
-    return 3.0 * (L * per_layer + 2 * H * cfg.vocab_size)
-
-
 class MetricsLogger:
     """Accumulates per-step device metrics and flushes them as one line + JSONL (+ TensorBoard) per log step."""
 
@@ -46,7 +37,6 @@ class MetricsLogger:
                     self._tb = None
         self._t0 = time.perf_counter()
         self._last_t, self._last_step = self._t0, start_step
-        self._start_step = start_step
         self.budget = None  # a TimeBudget (train.max_minutes) set by the trainer: the ETA never exceeds its time left
 
     def should_log(self, step: int) -> bool:

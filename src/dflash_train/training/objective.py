@@ -350,13 +350,3 @@ def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Ten
     out["loss"] = loss
     out["num_labels"] = lay.valid.sum()
     return out
-
-
-def expected_acceptance(cond_acc) -> float:
-    """Host-side helper: 1 + sum_k prod_{j<=k} cond_acc_j."""
-    total, run = 1.0, 1.0
-    for a in cond_acc:
-        run *= float(a)
-        total += run
-    return total
-
