@@ -150,10 +150,10 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
     from .models.checkpoint import load_drafter
     from .models.target import load_target, load_tokenizer, target_config_info
     from .pipeline.coordinator import train_pipeline
-    from .training.trainer import resolve_device
+    from .devices import parse_device
 
     t_start = time.perf_counter()
-    dev = resolve_device(device)
+    dev = parse_device(device, "--device")
     cfg = build_demo_config(dev, minutes, out, list(overrides))
     out_dir = Path(cfg.run.out_dir)
     n_prompts, new_tokens, max_prompt = EVAL_SIZE["cuda" if dev.type == "cuda" else "cpu"]

@@ -360,7 +360,7 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
 
 def run_regenerate_cli(args) -> int:
     from ..models.target import load_tokenizer
-    from ..training.trainer import resolve_device
+    from ..devices import parse_device
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1.")
@@ -379,7 +379,7 @@ def run_regenerate_cli(args) -> int:
     with open_source(args.data):  # a bad --data fails here, before the model loads
         pass
     check_settings(out_path, settings, replace=False)
-    device = resolve_device(args.device)
+    device = parse_device(args.device, "--device")
     tokenizer = load_tokenizer(args.target)
     hf = load_generation_model(args.target, device)
     counts: Counter = Counter()

@@ -221,7 +221,7 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
 def run_eval_cli(args) -> int:
     from ..models.checkpoint import load_drafter, load_drafter_config
     from ..models.target import load_target, load_tokenizer, target_config_info
-    from ..training.trainer import resolve_device
+    from ..devices import parse_device
     from .prompts import (check_prompt_lengths, default_prompts, needs_tokenizer, read_prompt_file,
                           tokenize_prompts)
     from .report import format_summary, write_report
@@ -243,7 +243,7 @@ def run_eval_cli(args) -> int:
     prompt_ids = tokenize_prompts(prompts, tokenizer)
     check_prompt_lengths(prompt_ids, args.max_new_tokens, info.max_position_embeddings, info.vocab_size)
 
-    device = resolve_device(args.device)
+    device = parse_device(args.device, "--device")
     # The drafter runs in the target's dtype (DrafterRunner), so --dtype sets both.
     target = load_target(args.target, dcfg.target_layer_ids, device=device, dtype=EVAL_DTYPES[args.dtype],
                          truncate=False)

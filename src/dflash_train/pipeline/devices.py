@@ -13,35 +13,14 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from ..config import ConfigError, PipelineConfig
-
-
-def _parse_device(name: str, key: str) -> torch.device:
-    name = str(name).strip()
-    if name == "auto":  # under torchrun each process of a node takes its own GPU: cuda:LOCAL_RANK
-        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
-    if name.isdigit():  # `[0]` / `[1, 2, 3]`: GPU indices
-        name = f"cuda:{name}"
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"pipeline.{key} entry {name!r} is not a device; use 'cpu', 'cuda:N', N or 'auto'.") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"pipeline.{key} asks for {name} but no CUDA device is visible; use 'cpu' or 'auto'.")
-        dev = torch.device("cuda", dev.index or 0)
-        if dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"pipeline.{key} asks for {dev} but only {torch.cuda.device_count()} CUDA device(s) "
-                              "are visible.")
-    elif dev.type != "cpu":
-        raise ConfigError(f"pipeline.{key} entry {name!r}: only 'cpu' and CUDA devices are supported.")
-    return dev
+from ..devices import parse_device
 
 
 def resolve_pipeline_devices(cfg: PipelineConfig) -> tuple[list[torch.device], list[torch.device]]:
     """(target devices, drafter devices). One drafter replica per CUDA device (each captures its own CUDA graphs
     on its device); CPU may repeat, which is how the tests run several replicas on one machine."""
-    targets = [_parse_device(d, "target_devices") for d in cfg.target_devices]
-    drafters = [_parse_device(d, "drafter_devices") for d in cfg.drafter_devices]
+    targets = [parse_device(d, "pipeline.target_devices") for d in cfg.target_devices]
+    drafters = [parse_device(d, "pipeline.drafter_devices") for d in cfg.drafter_devices]
     cuda = [d for d in drafters if d.type == "cuda"]
     if len(set(cuda)) != len(cuda):
         raise ConfigError(f"pipeline.drafter_devices {[str(d) for d in drafters]} repeats a CUDA device; use one "

@@ -9,10 +9,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from ..config import Config
 from ..models.checkpoint import save_drafter
+from ..devices import parse_device
 from ..models.build import init_output_norm
 from ..models.target import load_target
 from .budget import TimeBudget
@@ -35,15 +35,9 @@ class TrainResult:
     skipped_steps: int = 0  # steps whose update was skipped: non-finite loss/gradients, train.nonfinite=skip
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResult:
     setup = setup or build_run(cfg)
-    device = resolve_device(cfg.pipeline.drafter_devices[0])
+    device = parse_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices")
     target = load_target(cfg.model.target, setup.drafter.config.target_layer_ids, device=device,
                          attention=cfg.model.target_attention)
     ckpt = CheckpointManager(setup.out_dir, cfg.train.keep_checkpoints)
