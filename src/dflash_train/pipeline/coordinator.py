@@ -34,7 +34,7 @@ from ..models.checkpoint import save_drafter
 from ..models.build import init_output_norm
 from ..models.target import load_target
 from ..training.budget import TimeBudget
-from ..training.checkpointing import CheckpointManager, set_rng_state
+from ..training.checkpointing import CheckpointManager, resume_point
 from ..training.metrics import MetricsLogger
 from ..training.plots import write_training_plots
 from ..training.run import build_run, prepare_out_dir
@@ -86,7 +86,7 @@ class _Pipeline:
         self.shard = DataShard(self.n, peers.rank, peers.world)
         self.run_setup = build_run(cfg, batches_per_step=self.shard.global_replicas)
         self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints)
-        init, state = self._resume_point()
+        init, state = resume_point(cfg.run.resume, self.ckpt, self.run_setup.drafter)
         self.start_step = state["step"] if state else 0
         targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d,
                                attention=cfg.model.target_attention) for d in target_devices]
@@ -105,15 +105,6 @@ class _Pipeline:
         except BaseException:
             self.logger.close()  # no thread has started yet: the open metrics file is all there is to close
             raise
-
-    def _resume_point(self):
-        """(initial CPU drafter, training state or None), from the latest checkpoint when run.resume=auto."""
-        if self.cfg.run.resume == "auto" and (found := self.ckpt.load_latest()) is not None:
-            drafter, state, path = found
-            set_rng_state(state["rng"])
-            log.info(f"resuming from {path} at step {state['step']}")
-            return drafter, state
-        return self.run_setup.drafter, None
 
     def _build_workers(self, targets, target_devices, drafter_devices, init, state, faults) -> None:
         cfg, c = self.cfg, self.control

@@ -183,3 +183,14 @@ class CheckpointManager:
             except Exception as e:  # noqa: BLE001 - report and fall back to the previous checkpoint
                 log.warning(f"checkpoint {d} failed to load ({type(e).__name__}: {e}); trying the previous one")
         return None
+
+
+def resume_point(resume: str, ckpt: CheckpointManager, fresh: DFlashDrafter) -> tuple[DFlashDrafter, dict | None]:
+    """(initial drafter, training state or None): the latest good checkpoint when run.resume=auto (its RNG states
+    restored), else `fresh`. Shared by the reference trainer and the pipeline so both resume the same way."""
+    if resume == "auto" and (found := ckpt.load_latest()) is not None:
+        drafter, state, path = found
+        set_rng_state(state["rng"])
+        log.info(f"resuming from {path} at step {state['step']}")
+        return drafter, state
+    return fresh, None

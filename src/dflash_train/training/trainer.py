@@ -16,7 +16,7 @@ from ..devices import parse_device
 from ..models.build import init_output_norm
 from ..models.target import load_target
 from .budget import TimeBudget
-from .checkpointing import CheckpointManager, set_rng_state
+from .checkpointing import CheckpointManager, resume_point
 from .metrics import MetricsLogger
 from .optim import apply_update, build_optimizer, build_scheduler
 from .plots import write_training_plots
@@ -42,14 +42,8 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
                          attention=cfg.model.target_attention)
     ckpt = CheckpointManager(setup.out_dir, cfg.train.keep_checkpoints)
 
-    drafter = setup.drafter
-    start_step, state = 0, None
-    if cfg.run.resume == "auto":
-        found = ckpt.load_latest()
-        if found is not None:
-            drafter, state, path = found
-            start_step = state["step"]
-            log.info(f"resuming from {path} at step {start_step}")
+    drafter, state = resume_point(cfg.run.resume, ckpt, setup.drafter)
+    start_step = state["step"] if state else 0
     if state is None and not cfg.model.drafter_init:
         init_output_norm(drafter, target.lm_head.weight)
     drafter = drafter.float().to(device).train()
@@ -59,7 +53,6 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
 
     step_fn = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, cfg.train, device)
     logger = MetricsLogger(setup.out_dir, setup.total_steps, cfg.train.token_budget, cfg.train.log_every,
