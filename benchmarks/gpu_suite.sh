@@ -4,11 +4,17 @@
 # TARGET_ATTN=flex trains with the target's document mask as a flex BlockMask (model.target_attention; default sdpa).
 # Inputs under the git-ignored .gpu/data: train_prompts.jsonl (first user turns of ShareGPT, file order) and
 # eval_prompts.jsonl (32 later, disjoint ones). Each stage has its own time limit; logs and results go to $OUT.
+#
+# The multi-GPU recipe (issue 5, second GPU session), data from `benchmarks/gpu_data.py` (train_chats.jsonl.gz:
+# every ShareGPT record but the 32 held out, replies to regenerate; eval_prompts.jsonl.gz):
+#   regen4     regenerate every reply, one shard per visible GPU in parallel (REGEN_S seconds, resumable)
+#   train      train on /tmp/regen.jsonl on one GPU (STEPS, TRAIN_MIN; resumes the run in $RUN if it exists)
+#   evaluate   eval of $RUN's drafter on the held-out prompts: bf16 (tau, speedup) and fp32 (lossless verdict)
 set -u
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 GGUF=${GGUF:-/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
-RUN=/tmp/smollm2_run
+RUN=${RUN:-/tmp/smollm2_run}
 stage() { echo; echo "=== $1 ($(date +%T))"; }
 
 smollm2() {
@@ -30,6 +36,52 @@ smollm2() {
       --prompts .gpu/data/eval_prompts.jsonl --max-new-tokens 256 --device cuda --out "$OUT/eval" 2>&1 | tail -40
   stage "lossless verdict in fp32 on 8 held-out prompts (in bf16 near-ties may round differently)"
   timeout 90 python3 -m dflash_train.cli eval --drafter "$D" --target "$GGUF" --dtype fp32 \
+      --prompts .gpu/data/eval_prompts.jsonl --num-prompts 8 --max-new-tokens 128 --device cuda \
+      --out "$OUT/eval_fp32" 2>&1 | tail -12
+}
+
+regen4() {
+  stage "regenerate every reply of .gpu/data/train_chats.jsonl: one shard per GPU, greedy, batched"
+  [ -f .gpu/data/train_chats.jsonl ] || gunzip -kf .gpu/data/train_chats.jsonl.gz
+  local n; n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+  for i in $(seq 0 $((n - 1))); do
+    awk -v n="$n" -v i="$i" 'NR % n == i' .gpu/data/train_chats.jsonl > /tmp/shard$i.jsonl
+    CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_S:-240}" python3 -m dflash_train.cli regenerate --target "$GGUF" \
+        --data /tmp/shard$i.jsonl --out /tmp/regen$i.jsonl --max-new-tokens "${REGEN_NEW:-256}" \
+        --max-length 2048 --batch-size "${REGEN_BATCH:-512}" --device cuda > /tmp/regen$i.log 2>&1 &
+  done
+  wait
+  for i in $(seq 0 $((n - 1))); do grep -E "regenerated|rror" /tmp/regen$i.log | tail -3; done
+  cat /tmp/regen[0-9]*.jsonl > /tmp/regen.jsonl
+  python3 -c '
+import json
+recs = [json.loads(line) for line in open("/tmp/regen.jsonl") if line.endswith("\n")]
+replies = [m["content"] for r in recs for m in r["messages"] if m["role"] == "assistant"]
+print(f"/tmp/regen.jsonl: {len(recs)} conversations, {len(replies)} replies, "
+      f"{sum(map(len, replies)) / 2**20:.1f} MiB of reply text")'
+}
+
+train() {
+  stage "train on /tmp/regen.jsonl: pipeline, reduce-overhead steps in worker threads, one GPU shared"
+  local resume=never overwrite=true
+  if [ -f $RUN/run_config.yaml ]; then resume=auto overwrite=false; fi
+  timeout "${TRAIN_S:-560}" python3 -m dflash_train.cli train --config smollm2_gpu model.target="$GGUF" \
+      data.source=/tmp/regen.jsonl run.out_dir=$RUN run.resume=$resume run.overwrite=$overwrite \
+      train.max_steps="${STEPS:-2500}" train.max_minutes="${TRAIN_MIN:-3.0}" \
+      model.target_attention="${TARGET_ATTN:-sdpa}" ${TRAIN_ARGS:-} \
+      2>&1 | grep -v -E "it/s\]|s/it\]" | tail -45
+  cp $RUN/metrics.jsonl "$OUT/" 2>/dev/null; cp $RUN/*.png "$OUT/" 2>/dev/null
+}
+
+evaluate() {
+  local d=$RUN/drafter
+  [ -f "$d/config.json" ] || d=$(ls -d $RUN/checkpoints/step_* 2>/dev/null | tail -1)
+  [ -f .gpu/data/eval_prompts.jsonl ] || gunzip -kf .gpu/data/eval_prompts.jsonl.gz
+  stage "evaluate $d on the held-out prompts: greedy speculative decoding vs target alone (bf16)"
+  timeout 200 python3 -m dflash_train.cli eval --drafter "$d" --target "$GGUF" \
+      --prompts .gpu/data/eval_prompts.jsonl --max-new-tokens 256 --device cuda --out "$OUT/eval" 2>&1 | tail -40
+  stage "lossless verdict in fp32 on 8 held-out prompts"
+  timeout 100 python3 -m dflash_train.cli eval --drafter "$d" --target "$GGUF" --dtype fp32 \
       --prompts .gpu/data/eval_prompts.jsonl --num-prompts 8 --max-new-tokens 128 --device cuda \
       --out "$OUT/eval_fp32" 2>&1 | tail -12
 }
