@@ -4,9 +4,10 @@
   PYTHONPATH=src python3 benchmarks/bench.py                          # GPU suite: one H200, ~7 min
   PYTHONPATH=src python3 benchmarks/bench.py --only drafter,target     # a subset (matmul always runs: MFU needs it)
   PYTHONPATH=src python3 benchmarks/bench.py --suite cpu-smoke         # every benchmark at tiny shapes, seconds
+  PYTHONPATH=src python3 benchmarks/bench.py --only pipeline --layouts 1+1,1+3,2+2   # target / drafter GPU splits
 
-Results also go to $OUT/bench_results.json (or ./bench_results.json). Benchmarks live in cases.py and cases_end_to_end.py, registered
-with @benchmark; shapes per suite in harness.py. docs/BENCHMARKS.md records the figures and what they mean.
+Results also go to $OUT/bench_results.json (or ./bench_results.json), rewritten after every row. Benchmarks live
+in cases.py and cases_end_to_end.py, registered with @benchmark; shapes per suite in harness.py. docs/BENCHMARKS.md records the figures and what they mean.
 Exit status 1 when a variant failed (the table still prints; the JSON keeps its traceback).
 """
 
@@ -36,6 +37,13 @@ def parse_args(argv=None):
                    help="skip variants that would start past this many seconds (gpu default 450)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per variant")
     p.add_argument("--docs", type=int, default=None, help="documents per packed row (gpu default 1)")
+    p.add_argument("--layouts", default=None,
+                   help="pipeline: comma-separated GPU layouts, each 'shared' (one GPU runs target and drafter) or "
+                        "T+D (targets on cuda:0..T-1, drafter replicas on cuda:T..T+D-1), e.g. 1+1,1+3,2+2; "
+                        "default shared, plus 1+1 when two GPUs are visible")
+    p.add_argument("--pipeline-steps", type=int, default=None,
+                   help="pipeline: training steps per layout, logged every steps // 6 (default 30, every 5; the "
+                        "first log window, the pipeline filling up, is left out)")
     p.add_argument("--json", default=None, help="results file (default $OUT/bench_results.json or ./)")
     return p.parse_args(argv)
 
@@ -51,9 +59,21 @@ def main(argv=None) -> int:
 
     import cases  # noqa: F401 - registers the stage benchmarks
     import cases_end_to_end  # noqa: F401 - registers the pipeline and generation benchmarks
-    from harness import BENCHMARKS, SUITES, Context, Row, first_line
+    from harness import BENCHMARKS, SUITES, Context, Row, first_line, parse_layouts
 
     suite = SUITES[args.suite]
+    if args.layouts is not None:
+        try:
+            suite.layouts = parse_layouts(args.layouts)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    if args.pipeline_steps is not None:
+        if args.pipeline_steps < 4:
+            print("error: --pipeline-steps must be at least 4 (3 log windows are measured after the first)",
+                  file=sys.stderr)
+            return 2
+        suite.pipeline_steps = args.pipeline_steps
     if args.budget_s is not None:
         suite.budget_s = args.budget_s
     if args.iters is not None:
@@ -74,6 +94,16 @@ def main(argv=None) -> int:
 
     ctx = Context(suite)
     meta = environment(torch, suite, argv if argv is not None else sys.argv[1:])
+    out = Path(args.json) if args.json else Path(os.environ.get("OUT") or ".") / "bench_results.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> dict:   # after every row too: a run stopped by a time limit still leaves what it measured
+        ratios = derive_ratios(ctx.rows)
+        out.write_text(json.dumps({"meta": meta, "ratios": ratios, "rows": [asdict(r) for r in ctx.rows]}, indent=1,
+                                  default=str))
+        return ratios
+
+    ctx.on_row = save
     ctx.log(f"suite {suite.name} on {meta['device_name']}; torch {meta['torch']}, transformers "
             f"{meta['transformers']}; benchmarks: {', '.join(names)}")
     for name in names:
@@ -84,11 +114,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             ctx.rows.append(Row(name, "setup", status="error", note=f"{type(e).__name__}: {first_line(e)}",
                                 extra={"traceback": traceback.format_exc()[-8000:]}))
-    ratios = derive_ratios(ctx.rows)
-    out = Path(args.json) if args.json else Path(os.environ.get("OUT") or ".") / "bench_results.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "ratios": ratios, "rows": [asdict(r) for r in ctx.rows]}, indent=1,
-                              default=str))
+    ratios = save()
     ctx.log(f"results written to {out}")
     print_table(ctx.rows, ratios, suite, meta)
     return 1 if any(r.status == "error" for r in ctx.rows) else 0
@@ -108,7 +134,8 @@ def environment(torch, suite, argv) -> dict:
             "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
             "triton": triton_v, "python": platform.python_version(),
             "device_name": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
-            "num_docs": suite.num_docs, "iters": suite.iters, "warmup": suite.warmup}
+            "num_docs": suite.num_docs, "iters": suite.iters, "warmup": suite.warmup,
+            "visible_gpus": torch.cuda.device_count() if cuda else 0, "layouts": suite.layouts}
 
 
 def _row(rows, bench, variant_prefix, shape=None):
@@ -157,11 +184,39 @@ def derive_ratios(rows) -> dict:
     before, now = _row(rows, "generate", "arrival order, whole cache"), _row(rows, "generate", "length-sorted")
     if before and now:
         out["generate: regenerate now vs before (tokens/s)"] = now.tokens_per_s / before.tokens_per_s
+    out.update(pipeline_ratios([r for r in rows if r.bench == "pipeline" and r.status == "ok" and r.tokens_per_s],
+                               colo))
+    return out
+
+
+def pipeline_ratios(rows, colo) -> dict:
+    """P3 (one GPU shared and 1+1 against the slowest stage alone), each multi-GPU layout against its ideal,
+    scaling efficiency of 1+N against 1+1 (annotate_scaling in cases_end_to_end.py), the best layout per GPU count."""
+    out: dict = {}
+    by_gpus: dict[int, list] = {}
     for r in rows:
-        if r.bench == "pipeline" and r.status == "ok" and "vs_slowest_stage" in r.extra:
+        layout = r.extra.get("layout", "")
+        name = layout or r.variant
+        if "vs_slowest_stage" in r.extra and layout in ("shared", "1+1"):
             out[f"pipeline ({r.variant}) vs slowest stage alone (goal P3 >= 0.95)"] = r.extra["vs_slowest_stage"]
-            if colo:
-                out[f"pipeline ({r.variant}) vs colocated"] = r.tokens_per_s / colo.tokens_per_s
+        if "vs_ideal" in r.extra and layout != "1+1":
+            out[f"pipeline {name} vs min(T x target, D x drafter) alone"] = r.extra["vs_ideal"]
+        if "scaling_efficiency" in r.extra:
+            n = int(layout.split("+")[1])
+            out[f"pipeline {name} scaling efficiency: tokens/s / ({n} x tokens/s of 1+1)"] = r.extra["scaling_efficiency"]
+        if colo:
+            out[f"pipeline ({r.variant}) vs colocated"] = r.tokens_per_s / colo.tokens_per_s
+        if layout:
+            gpus = 1 if layout == "shared" else sum(int(x) for x in layout.split("+"))
+            by_gpus.setdefault(gpus, []).append(r)
+    for gpus, group in sorted(by_gpus.items()):
+        if len(group) > 1 or gpus > 2:
+            best = max(group, key=lambda r: r.tokens_per_s)
+            key = f"pipeline best layout on {gpus} GPU{'s' if gpus > 1 else ''} by tokens/s: {best.extra['layout']}"
+            out[key] = best.tokens_per_s
+            sps = best.extra.get("samples_per_s")
+            if sps is not None:
+                out[f"{key}, samples/s of {best.extra['sample_len']} tokens"] = sps
     return out
 
 
@@ -173,7 +228,7 @@ def print_table(rows, ratios, suite, meta) -> None:
     head = ("bench", "variant", "shape", "ms", "tok/s", "TFLOP/s", "MFU", "peak GiB", "notes")
     body = [(r.bench, r.variant if r.status == "ok" else f"{r.variant} [{r.status.upper()}]", r.shape,
              _fmt(r.ms, ".2f"), _fmt(r.tokens_per_s, ",.0f"), _fmt(r.tflops, ".0f"), _fmt(r.mfu, ".3f"),
-             _fmt(r.peak_gib, ".1f"), r.note[:110]) for r in rows]
+             _fmt(r.peak_gib, ".1f"), r.note[:160]) for r in rows]
     widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head) - 1)]
     print(f"\n== dflash-train bench | suite {suite.name} | {meta['device_name']} | torch {meta['torch']} | "
           f"{meta['date_utc']} | docs/row {suite.num_docs}")
@@ -181,7 +236,7 @@ def print_table(rows, ratios, suite, meta) -> None:
         cells = [str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(line, widths))]
         print("  ".join(cells) + "  " + line[-1])
     for k, v in ratios.items():
-        print(f"  {k}: {v:.3f}")
+        print(f"  {k}: {v:,.0f}" if abs(v) >= 1000 else f"  {k}: {v:.3f}")
 
 
 if __name__ == "__main__":

@@ -60,28 +60,32 @@ def causal_pairs(doc_ids: torch.Tensor) -> float:
     return float(sum(int(n) ** 2 / 2 for n in torch.unique_consecutive(doc_ids, return_counts=True)[1]))
 
 
-def build_target(ctx: Context) -> TargetModel:
+def build_target(ctx: Context, device: str | torch.device | None = None) -> TargetModel:
     """Random-init Qwen3 of the suite's shape, built on the device in the compute dtype (the init runs there:
-    seconds for 8B parameters), wrapped as the feature tap; cached for later benchmarks."""
-    if "target" in ctx.cache:
+    seconds for 8B parameters), wrapped as the feature tap. Without `device`: on ctx.device, cached for later
+    benchmarks. With `device`: a fresh replica there (same seed, so the same weights as the cached one), not cached:
+    the caller frees it (a pipeline layout with several target GPUs)."""
+    if device is None and "target" in ctx.cache:
         return ctx.cache["target"]
     from transformers import Qwen3ForCausalLM
 
     s, cfg = ctx.suite, target_config(ctx.suite)
+    dev = ctx.device if device is None else torch.device(device)
     t0 = time.perf_counter()
     default = torch.get_default_dtype()
     torch.set_default_dtype(s.dtype)
     try:
-        torch.manual_seed(0)
-        with torch.device(ctx.device):
+        torch.manual_seed(0)   # seeds every CUDA device's generator too: each replica draws the same weights
+        with torch.device(dev):
             hf = Qwen3ForCausalLM(cfg)
     finally:
         torch.set_default_dtype(default)
     info = TargetInfo.from_config(cfg)
     target = TargetModel(hf.eval(), default_layer_ids(info.num_layers, s.num_taps), truncate=True)
-    sync(ctx.device)
-    ctx.cache["target"] = target
-    ctx.cache["target_build_s"] = time.perf_counter() - t0
+    sync(dev)
+    if device is None:
+        ctx.cache["target"] = target
+        ctx.cache["target_build_s"] = time.perf_counter() - t0
     return target
 
 

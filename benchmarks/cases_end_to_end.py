@@ -11,36 +11,71 @@ import time
 from pathlib import Path
 
 import torch
-from harness import Context, Row, Skip, benchmark, sync, time_calls
+from harness import Context, Row, Skip, benchmark, layout_devices, sync, time_calls
 
 from cases import DrafterRig, build_target, measure_drafter, target_config
 from dflash_train.data.packing import make_batch, pack_samples
 from dflash_train.training.flops import drafter_step_flops, visible_pairs
 
 
-def pipeline_config(ctx: Context, target_dir: str, out_dir: str, drafters: list[str], mode: str, attention: str):
+def pipeline_steps(ctx: Context) -> tuple[int, int]:
+    """(steps, log_every) of a pipeline row. The first log window (the pipeline filling up) is left out of the
+    figures: 30 / 5 keeps 5 measured windows on GPU, --pipeline-steps N (>= 4) keeps at least 3; the CPU smoke's
+    6 / 2 keeps 2."""
+    n = ctx.suite.pipeline_steps
+    if n is None:
+        return (30, 5) if ctx.device.type == "cuda" else (6, 2)
+    return n, max(1, n // 6)
+
+
+def sample_len(suite) -> int:
+    """Every pipeline document has token_budget / num_docs tokens, as the stage benchmarks' rows."""
+    return max(2, suite.token_budget // suite.num_docs)
+
+
+def pipeline_config(ctx: Context, target_dir: str, out_dir: str, targets: list[str], drafters: list[str], mode: str,
+                    attention: str):
     from dflash_train.config import load_config
 
     s = ctx.suite
-    steps, log_every = (30, 5) if ctx.device.type == "cuda" else (6, 2)
+    steps, log_every = pipeline_steps(ctx)
     dtype = "bf16" if s.dtype == torch.bfloat16 else "fp32"
-    target_dev = "cuda:0" if ctx.device.type == "cuda" else "cpu"
+    n = sample_len(s)
     return load_config(None, [
         f"model.target={target_dir}", f"run.out_dir={out_dir}", "run.overwrite=true",
         f"model.block_size={s.block_size}", f"model.num_feature_layers={s.num_taps}",
         f"model.num_draft_layers={s.draft_layers}", "data.source=synthetic",
-        f"data.synthetic_samples={2000 if ctx.device.type == 'cuda' else 64}",
+        f"data.synthetic_samples={256 if ctx.device.type == 'cuda' else 64}",   # epochs repeat: enough for 1+7
+        f"data.synthetic_min_len={n}", f"data.synthetic_max_len={n}", f"data.max_length={n}",
         f"train.token_budget={s.token_budget}", f"train.num_anchors={s.num_anchors}", f"train.max_steps={steps}",
         f"train.log_every={log_every}", "train.checkpoint_every=0", f"train.compile={mode}",
-        f"train.attention={attention}", f"train.dtype={dtype}", f"pipeline.target_devices=[{target_dev}]",
+        f"train.attention={attention}", f"train.dtype={dtype}", f"pipeline.target_devices=[{','.join(targets)}]",
         f"pipeline.drafter_devices=[{','.join(drafters)}]", "pipeline.stall_timeout_s=300"])
 
 
-@benchmark("pipeline", "threaded pipeline end to end vs its slowest stage alone on the same data: one GPU shared, "
-                       "and target cuda:0 / drafter cuda:1 when two GPUs are visible")
+def layout_variant(layout: str, device_type: str) -> str:
+    """The row's name: 'one GPU shared', '1+3: target cuda:0, drafters cuda:1-3', '1+2: target cpu, drafters cpu x2'."""
+    if layout == "shared":
+        return f"one {'GPU' if device_type == 'cuda' else 'CPU'} shared"
+    targets, drafters = layout_devices(layout, device_type)
+
+    def devs(role: str, d: list[str]) -> str:
+        if len(d) == 1:
+            return f"{role} {d[0]}"
+        return f"{role}s {d[0]}-{d[-1].split(':')[1]}" if d[0].startswith("cuda") else f"{role}s {d[0]} x{len(d)}"
+    return f"{layout}: {devs('target', targets)}, {devs('drafter', drafters)}"
+
+
+def default_layouts(device_type: str, visible: int) -> list[str]:
+    return ["shared", "1+1"] if device_type == "cuda" and visible >= 2 else ["shared"]
+
+
+@benchmark("pipeline", "threaded pipeline end to end vs its stages alone on the same data, per GPU layout (--layouts: "
+                       "shared, T+D); default one GPU shared, and 1+1 when two GPUs are visible")
 def bench_pipeline(ctx: Context):
-    """The pipeline trains on the synthetic source (short documents); its stages are timed alone on rows of that
-    same data first. The pipeline gets the in-memory target this run built (`load_target` is swapped for the
+    """The pipeline trains on the synthetic source with documents of token_budget / num_docs tokens (the stage
+    benchmarks' rows); its stages are timed alone on rows of that same data first. Each layout's pipeline gets the
+    in-memory targets this run built, one per target device, equal weights (`load_target` is swapped for the
     duration): at the Qwen3-8B shape a save + load would cost minutes and measure the disk, not the pipeline."""
     import tempfile
 
@@ -56,9 +91,12 @@ def bench_pipeline(ctx: Context):
         return
     mode = "reduce-overhead" if dev.type == "cuda" else "eager"   # CPU: inductor's C++ compile would dominate
     attention = "flex" if dev.type == "cuda" else "sdpa"
+    visible = torch.cuda.device_count() if dev.type == "cuda" else 0
     work = Path(tempfile.mkdtemp(prefix="dflash_bench_pipeline_"))
-    shape = f"T={s.token_budget} A={s.num_anchors}x{s.block_size}"
+    shape = f"T={s.token_budget} A={s.num_anchors}x{s.block_size} docs {sample_len(s)} tok"
     alone: dict = {}
+    data: dict = {}
+    home = "cuda:0" if dev.type == "cuda" else "cpu"
 
     def target_dir() -> str:
         path = work / "target_config"
@@ -66,12 +104,20 @@ def bench_pipeline(ctx: Context):
             target_config(s).save_pretrained(path)   # sizes only: the weights come from build_target
         return str(path)
 
-    def stages_alone():
+    def data_rows(cfg) -> list:
         from dflash_train.data.dataset import load_dataset
 
+        return pack_samples(load_dataset(cfg.data, None, seed=cfg.train.seed).train, s.token_budget)
+
+    def docs_per_row(cfg) -> float:   # the same data for every layout: counted once
+        if "docs_per_row" not in data:
+            data["docs_per_row"] = statistics.mean(len(set(r.doc_ids.tolist()) - {-1}) for r in data_rows(cfg))
+        return data["docs_per_row"]
+
+    def stages_alone():
         target = build_target(ctx)
-        cfg = pipeline_config(ctx, target_dir(), str(work / "alone"), [str(dev)], mode, attention)
-        rows = pack_samples(load_dataset(cfg.data, None, seed=cfg.train.seed).train, s.token_budget)[:4]
+        cfg = pipeline_config(ctx, target_dir(), str(work / "alone"), [home], [home], mode, attention)
+        rows = data_rows(cfg)[:4]
         batches = [make_batch(r, s.num_anchors, seed=0, index=i).to(dev) for i, r in enumerate(rows)]
         feats = [target.features(b.input_ids, b.position_ids, b.doc_ids) for b in batches]
         _, t_ms = time_calls(lambda i: target.features(batches[i % len(batches)].input_ids,
@@ -89,58 +135,102 @@ def bench_pipeline(ctx: Context):
                         f"{alone['drafter_tok_s']:,.0f} tok/s ({d.ms:.1f} ms); tok/s = the slower",
                    extra=dict(alone, drafter=d.extra))
 
-    def pipeline(drafters: list[str]):
+    def pipeline(layout: str):
         def run():
-            if not alone:
-                raise Skip("the stages-alone row failed; no baseline to compare with")
-            target = build_target(ctx)
-            cfg = pipeline_config(ctx, target_dir(), str(work / ("run_" + "_".join(drafters).replace(":", ""))),
-                                  drafters, mode, attention)
-            devices = sorted({dev} | {torch.device(d) for d in drafters}, key=str)
-            for d in devices:
-                if d.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(d)
-
-            def same_target(_path, layer_ids=None, device="cpu", **_kw):
-                if layer_ids is not None and list(layer_ids) != target.layer_ids:
-                    raise Skip(f"pipeline drafter taps {list(layer_ids)} != the built target's {target.layer_ids}")
-                if torch.device(device) != target.device:
-                    raise Skip(f"the built target lives on {target.device}, the pipeline asks for {device}")
-                return target
-
+            targets, drafters = layout_devices(layout, dev.type, visible)
+            cfg = pipeline_config(ctx, target_dir(), str(work / f"run_{layout.replace('+', '_')}"), targets, drafters,
+                                  mode, attention)
+            per_row = docs_per_row(cfg)
+            devices = sorted({torch.device(d) for d in targets + drafters}, key=str)
+            cuda = [d for d in devices if d.type == "cuda"]
+            built: list = []   # one target per target device; the first is the cached one on cuda:0 (or cpu)
+            free: list = []    # handed out once each by the swapped load_target, to the device asked for
             original = coordinator.load_target
-            coordinator.load_target = same_target
+
+            def built_target(_path, layer_ids=None, device="cpu", **_kw):
+                if layer_ids is not None and list(layer_ids) != built[0].layer_ids:
+                    raise Skip(f"pipeline drafter taps {list(layer_ids)} != the built target's {built[0].layer_ids}")
+                want = torch.device(device)
+                for i, t in enumerate(free):
+                    if t.device == want:
+                        return free.pop(i)
+                raise RuntimeError(f"the pipeline asked for a target on {want}; this layout built them on "
+                                   f"{[str(t.device) for t in built]}")
+
             try:
+                built.append(build_target(ctx))
+                built += [build_target(ctx, d) for d in targets[1:]]
+                free += built
+                for d in cuda:   # after the targets: their weights are part of each device's peak, as in training
+                    torch.cuda.reset_peak_memory_stats(d)
+                coordinator.load_target = built_target
                 t0 = time.perf_counter()
                 res = coordinator.train_pipeline(cfg)
                 wall = time.perf_counter() - t0
             finally:
                 coordinator.load_target = original
+                built.clear()   # the replicas on other GPUs go with the pipeline; harness.free_memory empties caches
+                free.clear()
             late = [h for h in res.history if h["step"] > cfg.train.log_every] or res.history
 
             def mean(k):
-                vals = [h[k] for h in late if k in h]
+                vals = [h[k] for h in late if h.get(k) is not None]
                 return statistics.mean(vals) if vals else None
 
-            tok_s = mean("tokens_per_s")
-            slow = min(alone["target_tok_s"], alone["drafter_tok_s"])
-            peaks = {str(d): torch.cuda.max_memory_allocated(d) / 2**30 for d in devices if d.type == "cuda"}
-            frac = {k: mean(k) for k in ("drafter_wait", "target_wait", "drafter_busy", "target_busy")}
-            note = (f"{tok_s / slow:.3f} x slowest stage alone; waits: drafter {_pct(frac['drafter_wait'])}, "
-                    f"target {_pct(frac['target_wait'])}; peak GiB " + ", ".join(f"{k} {v:.1f}" for k, v in
-                                                                                 peaks.items()))
+            tok_s = mean("tokens_per_s")   # all replicas together: T tokens x drafter replicas per step
+            samples_s = tok_s / s.token_budget * per_row
+            peaks = {str(d): torch.cuda.max_memory_allocated(d) / 2**30 for d in cuda}
+            frac = {k: mean(k) for k in ("target_busy", "drafter_busy", "drafter_wait", "target_wait")}
+            extra = dict(frac, layout=layout, target_devices=targets, drafter_devices=drafters,
+                         samples_per_s=samples_s, rows_per_s=tok_s / s.token_budget, sample_len=sample_len(s),
+                         docs_per_row=per_row, measured_windows=len(late), peak_gib_per_device=peaks,
+                         wall_s=wall, steps=res.steps, log_every=cfg.train.log_every,
+                         busy_by_worker=res.stage_fractions.get("busy_by_worker", {}),
+                         run_fractions=res.stage_fractions, loss_first=res.history[0]["loss"],
+                         loss_last=res.history[-1]["loss"])
+            versus = ""
+            if alone:
+                extra["vs_slowest_stage"] = tok_s / min(alone["target_tok_s"], alone["drafter_tok_s"])
+                versus = f"{extra['vs_slowest_stage']:.2f} x slowest stage"
+                if layout != "shared":   # T targets and D drafters each at their rate alone; the slower side caps
+                    ideal = min(len(targets) * alone["target_tok_s"], len(drafters) * alone["drafter_tok_s"])
+                    extra["vs_ideal"] = tok_s / ideal
+                    versus = f"{extra['vs_ideal']:.2f} x min(T x target, D x drafter) alone"
+            peak_txt = (f"; peak {min(peaks.values()):.1f}-{max(peaks.values()):.1f} GiB/device" if len(peaks) > 1
+                        else "")
+            note = (f"{samples_s:,.2f} samples/s of {sample_len(s)} tok ({per_row:g}/row); busy target "
+                    f"{_pct(frac['target_busy'])} drafter {_pct(frac['drafter_busy'])}; wait drafter "
+                    f"{_pct(frac['drafter_wait'])} target {_pct(frac['target_wait'])}; {versus or 'no baseline'}"
+                    f"{peak_txt}")
             return Row("", "", ms=s.token_budget / tok_s * 1e3, tokens_per_s=tok_s,
-                       peak_gib=max(peaks.values()) if peaks else None, note=note,
-                       extra=dict(frac, vs_slowest_stage=tok_s / slow, peak_gib_per_device=peaks, wall_s=wall,
-                                  steps=res.steps, run_fractions=getattr(res, "stage_fractions", {}),
-                                  loss_first=res.history[0]["loss"], loss_last=res.history[-1]["loss"]))
+                       peak_gib=max(peaks.values()) if peaks else None, note=note, extra=extra)
         return run
 
     ctx.variant("pipeline", f"stages alone, same data (target eager, drafter {mode})", shape, stages_alone, cost_s=90)
-    ctx.variant("pipeline", "one GPU shared" if dev.type == "cuda" else "one CPU shared", shape,
-                pipeline([str(dev)]), cost_s=150)
-    if dev.type == "cuda" and torch.cuda.device_count() >= 2:
-        ctx.variant("pipeline", "target cuda:0, drafter cuda:1", shape, pipeline(["cuda:1"]), cost_s=150)
+    for layout in s.layouts or default_layouts(dev.type, visible):
+        targets, drafters = layout_devices(layout, dev.type)
+        if dev.type == "cuda" and len(set(targets + drafters)) > visible:
+            ctx.variant("pipeline", layout_variant(layout, dev.type), shape, pipeline(layout))  # a skipped row
+            continue
+        # Drafter replicas compile and capture one at a time: ~40 s each is a guess (inductor's cache key holds the
+        # device index, so each GPU compiles once per machine); each extra target is built in seconds.
+        ctx.variant("pipeline", layout_variant(layout, dev.type), shape, pipeline(layout),
+                    cost_s=60 + 40 * len(drafters) + 15 * (len(targets) - 1))
+    annotate_scaling(ctx.rows)
+
+
+def annotate_scaling(rows: list[Row]) -> None:
+    """Scaling efficiency of 1 target + N drafters against 1+1 in the same run: tokens/s(1+N) / (N x tokens/s(1+1)),
+    into the 1+N rows' extra and note."""
+    ok = {r.extra["layout"]: r for r in rows if r.bench == "pipeline" and r.status == "ok" and "layout" in r.extra}
+    base = ok.get("1+1")
+    if base is None:
+        return
+    for layout, r in ok.items():
+        t, _, n = layout.partition("+")
+        if t == "1" and n.isdigit() and int(n) > 1:
+            r.extra["scaling_efficiency"] = r.tokens_per_s / (int(n) * base.tokens_per_s)
+            r.note = f"scaling {r.extra['scaling_efficiency']:.2f} vs 1+1; {r.note}"
 
 
 @benchmark("generate", "batched greedy generation (dataset regeneration): batches in arrival order over whole caches "

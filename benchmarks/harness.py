@@ -44,6 +44,8 @@ class Suite:
     cpu_threads: int | None = None       # torch intra-op threads (tiny CPU shapes: 1, robust on a busy machine)
     generate: dict | None = None         # batched generation: target (LlamaConfig kwargs), batch, prompts,
                                          # new_tokens, max_length, median_prompt (tokens; log-normal lengths)
+    layouts: list[str] | None = None     # pipeline: 'shared' | 'T+D' (parse_layouts); None = shared (+ 1+1 on 2 GPUs)
+    pipeline_steps: int | None = None    # pipeline: training steps per layout; None = 30 on GPU, 6 on CPU
 
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -94,6 +96,43 @@ class Skip(Exception):
     """A benchmark or variant that cannot run here; the message says why and what it needs."""
 
 
+# ---------------------------------------------------------------------------------------- pipeline layouts
+
+LAYOUT_HELP = "'shared' (one GPU runs target and drafter) or T+D (T target GPUs, then D drafter GPUs, e.g. 1+3)"
+
+
+def parse_layouts(text: str) -> list[str]:
+    """'shared,1+3, 2+2' -> ['shared', '1+3', '2+2'] (repeats dropped); ValueError naming the bad item."""
+    out: list[str] = []
+    for item in (x.strip().lower() for x in text.split(",")):
+        if not item:
+            continue
+        t, plus, d = item.partition("+")
+        if item != "shared" and not (plus and t.isdigit() and d.isdigit() and int(t) >= 1 and int(d) >= 1):
+            raise ValueError(f"--layouts item {item!r} is not {LAYOUT_HELP}")
+        name = item if item == "shared" else f"{int(t)}+{int(d)}"
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise ValueError(f"--layouts is empty; give a comma-separated list of {LAYOUT_HELP}")
+    return out
+
+
+def layout_devices(layout: str, device_type: str, visible: int | None = None) -> tuple[list[str], list[str]]:
+    """A layout -> (target devices, drafter devices), disjoint on CUDA: T+D = targets cuda:0..T-1, drafters
+    cuda:T..T+D-1. On CPU every worker gets 'cpu' (the pipeline allows repeats there). Skip when the layout needs
+    more GPUs than `visible` (None: not checked)."""
+    if layout == "shared":
+        d = "cuda:0" if device_type == "cuda" else "cpu"
+        return [d], [d]
+    t, d = (int(x) for x in layout.split("+"))
+    if device_type != "cuda":
+        return ["cpu"] * t, ["cpu"] * d
+    if visible is not None and t + d > visible:
+        raise Skip(f"layout {layout} needs {t + d} GPUs, {visible} visible")
+    return [f"cuda:{i}" for i in range(t)], [f"cuda:{i}" for i in range(t, t + d)]
+
+
 BENCHMARKS: dict[str, tuple[Callable, str]] = {}
 
 
@@ -111,6 +150,7 @@ class Context:
         self.rows: list[Row] = []
         self.peak_tflops: float | None = None   # set by the matmul benchmark; the MFU denominator
         self.cache: dict = {}                   # objects shared between benchmarks (e.g. the built target)
+        self.on_row: Callable[[], None] | None = None   # called after each row lands (bench.py saves the JSON)
         self.t0 = time.perf_counter()
 
     def elapsed(self) -> float:
@@ -151,6 +191,8 @@ class Context:
             self.rows.append(row)
             self.log(f"{bench}/{variant}: {summary(row)}")
         free_memory(self.device)
+        if row is not None and self.on_row is not None:
+            self.on_row()
         return row
 
 
@@ -194,8 +236,12 @@ def free_memory(device: torch.device) -> None:
     torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        # Every GPU a variant used (a pipeline layout spans several); a GPU nothing touched holds no cache.
+        for i in range(torch.cuda.device_count()):
+            if torch.cuda.memory_reserved(i):
+                torch.cuda.synchronize(i)
+                with torch.cuda.device(i):
+                    torch.cuda.empty_cache()
 
 
 def peak_gib(device: torch.device) -> float | None:

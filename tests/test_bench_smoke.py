@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,3 +48,72 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
     # the table (and the goal ratios) are the last thing printed
     table = proc.stdout[proc.stdout.rfind("== dflash-train bench"):]
     assert table and "drafter best MFU" in table and "colocated" in table
+
+
+def run_bench(tmp_path, *args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OUT=str(tmp_path))
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--suite", "cpu-smoke", *args],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=timeout, check=False)
+
+
+def test_layouts_parse_and_map_to_disjoint_devices(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from harness import Skip, layout_devices, parse_layouts
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert parse_layouts("shared, 1+3,2+2,,1+3, 01+7") == ["shared", "1+3", "2+2", "1+7"]
+    for bad in ("1+x", "0+2", "1+0", "3", "1+2+3", "shard", " , "):
+        with pytest.raises(ValueError, match="--layouts"):
+            parse_layouts(bad)
+    assert layout_devices("shared", "cuda", 1) == (["cuda:0"], ["cuda:0"])
+    assert layout_devices("1+3", "cuda", 4) == (["cuda:0"], ["cuda:1", "cuda:2", "cuda:3"])
+    assert layout_devices("2+6", "cuda", 8) == (["cuda:0", "cuda:1"], [f"cuda:{i}" for i in range(2, 8)])
+    assert layout_devices("2+2", "cpu", 0) == (["cpu", "cpu"], ["cpu", "cpu"])
+    with pytest.raises(Skip, match="needs 8 GPUs, 4 visible"):
+        layout_devices("1+7", "cuda", 4)
+    proc = run_bench(tmp_path, "--only", "pipeline", "--layouts", "1+3,2x2")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        ("error: --layouts item '2x2' is not 'shared' (one GPU runs target and drafter) or T+D (T target GPUs, then D "
+         "drafter GPUs, e.g. 1+3)")], proc.stderr
+
+
+def test_synthetic_documents_of_a_stated_length():
+    from dflash_train.config import ConfigError, DataConfig
+    from dflash_train.data.dataset import load_dataset
+
+    lens = {len(s.input_ids) for s in load_dataset(DataConfig(source="synthetic")).train}
+    assert min(lens) >= 24 and max(lens) <= 96 and len(lens) > 10   # the default stream is unchanged
+    fixed = load_dataset(DataConfig(source="synthetic", synthetic_min_len=300, synthetic_max_len=300, max_length=4096))
+    assert {len(s.input_ids) for s in fixed.train} == {300}
+    capped = load_dataset(DataConfig(source="synthetic", synthetic_min_len=300, synthetic_max_len=300, max_length=64))
+    assert {len(s.input_ids) for s in capped.train} == {64}
+    with pytest.raises(ConfigError, match="synthetic_min_len"):
+        DataConfig(source="synthetic", synthetic_min_len=100, synthetic_max_len=50)
+
+
+def test_cpu_smoke_pipeline_layouts(tmp_path):
+    """1+N layouts on CPU workers: several targets and drafter replicas, scaling efficiency against 1+1, samples/s
+    of documents of token_budget / num_docs tokens, each worker's busy fraction."""
+    out = tmp_path / "bench.json"
+    proc = run_bench(tmp_path, "--only", "pipeline", "--layouts", "1+2,1+1,2+1", "--pipeline-steps", "4",
+                     "--json", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    rows = {r["extra"].get("layout"): r for r in res["rows"] if r["bench"] == "pipeline" and "layout" in r["extra"]}
+    assert list(rows) == ["1+2", "1+1", "2+1"] and all(r["status"] == "ok" for r in rows.values()), rows
+    for layout, r in rows.items():
+        t, d = (int(x) for x in layout.split("+"))
+        e = r["extra"]
+        assert e["steps"] == 4 and e["measured_windows"] == 3 and e["sample_len"] == 32 and e["docs_per_row"] == 2
+        assert e["samples_per_s"] == pytest.approx(r["tokens_per_s"] / 64 * 2)
+        assert set(e["busy_by_worker"]) == {f"target{i}" for i in range(t)} | {f"drafter{i}" for i in range(d)}
+        assert 0 <= e["target_busy"] <= 1 and 0 < e["drafter_busy"] <= 1 and e["vs_ideal"] > 0
+        assert "samples/s of 32 tok" in r["note"]
+    eff = rows["1+2"]["extra"]["scaling_efficiency"]
+    assert eff == pytest.approx(rows["1+2"]["tokens_per_s"] / (2 * rows["1+1"]["tokens_per_s"]))
+    assert "scaling_efficiency" not in rows["1+1"]["extra"] and "scaling_efficiency" not in rows["2+1"]["extra"]
+    ratios = res["ratios"]
+    assert ratios["pipeline 1+2 scaling efficiency: tokens/s / (2 x tokens/s of 1+1)"] == pytest.approx(eff)
+    best = [k for k in ratios if k.startswith("pipeline best layout on 3 GPUs by tokens/s: ")]
+    assert len(best) == 2 and best[0].rsplit(": ", 1)[1] in ("1+2", "2+1")

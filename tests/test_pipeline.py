@@ -49,6 +49,9 @@ def test_two_replicas_stay_identical_every_step(tiny_llama, tmp_path):
     assert res.replica_batches == [list(range(0, 24, 2)), list(range(1, 24, 2))]  # each batch once, i -> i % 2
     assert [h["step"] for h in res.history] == [4, 8, 12]
     assert {"drafter_wait", "target_wait", "queues"} <= res.history[-1].keys()
+    busy = res.stage_fractions["busy_by_worker"]  # each worker's own share; the stage figure is their mean
+    assert set(busy) == {"target0", "drafter0", "drafter1"} and all(0 < v <= 1 for v in busy.values())
+    assert res.stage_fractions["drafter_busy"] == pytest.approx((busy["drafter0"] + busy["drafter1"]) / 2, rel=0.05)
     log_text = (tmp_path / "run" / "run.log").read_text()
     assert "step     12/12" in log_text and "drafter_wait" in log_text and "done: 12 steps" in log_text
     assert (res.drafter_dir / "model.safetensors").is_file()
@@ -78,6 +81,7 @@ def test_result_does_not_depend_on_how_many_targets_race(tiny_llama, tmp_path):
     assert one.replica_checksums == two.replica_checksums
     assert one.replica_batches == two.replica_batches
     assert [h["loss"] for h in one.history] == [h["loss"] for h in two.history]
+    assert set(two.stage_fractions["busy_by_worker"]) == {"target0", "target1", "drafter0", "drafter1"}
 
 
 def test_resume_after_a_crash_is_exact(tiny_llama, tmp_path, monkeypatch):

@@ -72,6 +72,10 @@ class DataConfig:
     cache_dir: str | None = _f(None, "Where tokenized datasets are cached. Empty = <out_dir>/../.cache.")
     synthetic_period: int = _f(8, "synthetic source: the stream repeats every this many tokens.")
     synthetic_samples: int = _f(256, "synthetic source: number of documents.")
+    synthetic_min_len: int = _f(24, "synthetic source: shortest document, in tokens (lengths are uniform in "
+                                    "[min, max]).")
+    synthetic_max_len: int = _f(96, "synthetic source: longest document, in tokens (capped by data.max_length). "
+                                    "Equal to synthetic_min_len: every document has that length.")
     regenerate: bool = _f(False, "Before training, the target rewrites the assistant turns of the training "
                                  "conversations (greedy, batched, turn by turn) into <out_dir>/regenerated.jsonl, and "
                                  "training reads that file: the drafter learns the target's own answers. Resumable: "
@@ -88,6 +92,9 @@ class DataConfig:
                               "chat file, or data.regenerate=false.")
         if self.regenerate_max_new_tokens < 1:
             raise ConfigError("data.regenerate_max_new_tokens must be at least 1.")
+        if not 1 <= self.synthetic_min_len <= self.synthetic_max_len:
+            raise ConfigError("data.synthetic_min_len must be at least 1 and at most data.synthetic_max_len "
+                              f"(got {self.synthetic_min_len} and {self.synthetic_max_len}).")
 
 
 @dataclass

@@ -20,8 +20,9 @@ class DatasetSplit:
 
 def load_dataset(cfg: DataConfig, tokenizer=None, seed: int = 0, cache_dir: str | None = None) -> DatasetSplit:
     if cfg.source == "synthetic":
+        max_len = min(cfg.synthetic_max_len, cfg.max_length)
         samples = synthetic_samples(cfg.synthetic_samples, period=cfg.synthetic_period, seed=seed,
-                                    max_len=min(96, cfg.max_length))
+                                    min_len=min(cfg.synthetic_min_len, max_len), max_len=max_len)
         n_held = min(cfg.heldout_max, int(len(samples) * cfg.heldout_fraction))
         train = samples[n_held:]
         if cfg.max_samples:

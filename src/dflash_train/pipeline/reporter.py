@@ -49,8 +49,12 @@ class StepReporter:
                 "drafter_busy": mean(self.drafters, 2), "target_busy": mean(self.targets, 2)}, now
 
     def run_fractions(self) -> dict:
-        """The same fractions over the whole training phase (for the result)."""
-        return self._fractions(self._t0, self._seen0)[0]
+        """The same fractions over the whole training phase (for the result), plus each worker's own busy fraction
+        under 'busy_by_worker' ({'target0': .., 'drafter0': ..}): a stage's mean hides an idle or a slow device."""
+        out, now = self._fractions(self._t0, self._seen0)
+        dt = max(time.perf_counter() - self._t0, 1e-9)
+        out["busy_by_worker"] = {n: (c[2] - self._seen0.get(n, (0.0, 0.0, 0.0))[2]) / dt for n, c in now.items()}
+        return out
 
     def on_step(self, worker, step: int, metrics: dict | None) -> None:
         if metrics is not None:
