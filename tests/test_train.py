@@ -113,6 +113,27 @@ def test_out_dir_holding_a_different_run_is_refused(tiny_llama, tmp_path):
         train_single_device(other)
 
 
+def test_run_written_before_a_config_field_existed_still_resumes(tmp_path):
+    """A run saved by an older version (its run_config.yaml lacks a field added since) is the same run when the
+    new field sits at its default, and a different one when it does not (found resuming a GPU run)."""
+    import yaml
+
+    from dflash_train.config import load_config
+    from dflash_train.training.run import RUN_CONFIG_NAME, prepare_out_dir
+
+    out = tmp_path / "run"
+    cfg = load_config(None, [f"run.out_dir={out}", "data.source=synthetic"])
+    prepare_out_dir(cfg)
+    saved = yaml.safe_load((out / RUN_CONFIG_NAME).read_text())
+    del saved["data"]["synthetic_max_len"]                       # as written before the field existed
+    (out / RUN_CONFIG_NAME).write_text(yaml.safe_dump(saved))
+    prepare_out_dir(cfg)                                          # same run: no error
+    (out / RUN_CONFIG_NAME).write_text(yaml.safe_dump(saved))
+    changed = load_config(None, [f"run.out_dir={out}", "data.source=synthetic", "data.synthetic_max_len=200"])
+    with pytest.raises(ConfigError, match="already holds a different run"):
+        prepare_out_dir(changed)
+
+
 def test_compile_policy_is_applied_on_import():
     """Trees off (worker threads) and donated buffers off (correct grads under per-function CUDA graphs)."""
     import torch._functorch.config as functorch_config

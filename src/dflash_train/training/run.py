@@ -45,13 +45,22 @@ def _comparable(d: dict) -> dict:
     return {s: {k: v for k, v in sec.items() if (s, k) not in _RESUMABLE_KEYS} for s, sec in d.items()}
 
 
+def _with_defaults(saved: dict) -> dict:
+    """A saved run config with the keys it predates at their defaults: a field added to the config since the run
+    was written does not make it 'a different run' as long as the resumed run leaves it at its default."""
+    full = Config().to_dict()
+    for section, values in saved.items():
+        full.setdefault(section, {}).update(values if isinstance(values, dict) else {})
+    return full
+
+
 def prepare_out_dir(cfg: Config) -> Path:
     """Create the run directory; refuse to mix two different runs in one directory."""
     out = Path(cfg.run.out_dir)
     saved = out / RUN_CONFIG_NAME
     if saved.is_file() and not cfg.run.overwrite:
         old = yaml.safe_load(saved.read_text()) or {}
-        if _comparable(old) != _comparable(cfg.to_dict()):
+        if _comparable(_with_defaults(old)) != _comparable(cfg.to_dict()):
             raise ConfigError(f"{out} already holds a different run; choose another run.out_dir, or pass "
                               "run.overwrite=true to train over it.")
     out.mkdir(parents=True, exist_ok=True)
