@@ -29,8 +29,10 @@ DEFAULT_ORDER = ["drafter", "target", "colocated", "pipeline", "generate"]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--suite", default="gpu", choices=["gpu", "cpu-smoke", "cpu-generate"],
-                   help="cpu-generate: the smoke shapes, but a generation shape large enough to time on a CPU")
+    p.add_argument("--suite", default="gpu", choices=["gpu", "gpu-smollm2", "cpu-smoke", "cpu-generate"],
+                   help="gpu: Qwen3-8B shapes; gpu-smollm2: the SmolLM2-135M GPU recipe's shapes (rows of 8,192 tokens, "
+                        "29 documents, 1,024 anchors); cpu-generate: the smoke shapes, but a generation shape large "
+                        "enough to time on a CPU")
     p.add_argument("--only", default="", help="comma-separated benchmarks (default: all): "
                                               "matmul, drafter, target, colocated, pipeline, generate")
     p.add_argument("--budget-s", type=float, default=None,
@@ -50,7 +52,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.suite == "gpu":
+    if args.suite.startswith("gpu"):
         # Kept between calls on a warm device machine (.gpu/ is git-ignored): a rerun skips most compilation.
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(REPO / ".gpu" / "inductor-cache"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
