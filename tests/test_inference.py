@@ -138,6 +138,37 @@ def test_drafter_cache_matches_uncached_reference(target):
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_training_layout_drafts_what_inference_drafts(target, attention):
+    """The training objective's one-pass forward over many anchors of a packed row (objective.draft_hidden: block
+    layout, block mask, RoPE positions, context strictly before each anchor) gives, at every anchor that speculative
+    decoding visited, the logits of that decoding step's draft. Training and serving compute the same function."""
+    from dflash_train.training.objective import draft_hidden
+
+    path, t = target
+    B = 4
+    drafter = make_drafter(path, B, seed=5)
+    t_run, d_run = runners(t, drafter, B)
+    prompt = [7, 3, 19, 44, 2, 61]
+    spy = ScriptedDrafter(prompt + naive_greedy(t, prompt, 60), B, p_correct=0.7, seed=2, inner=d_run)
+    seq = prompt + speculative_generate(t_run, spy, prompt, 40).tokens
+    steps = [(start, logits) for _last, start, logits in spy.records if start + B <= len(seq)]
+    assert len(steps) > 8 and len({s for s, _ in steps}) == len(steps)
+    T = len(seq)
+    ids, pos, docs = torch.tensor(seq), torch.arange(T), torch.zeros(T, dtype=torch.long)
+    feats = t.features(ids, pos, docs)
+    anchors = torch.tensor([s for s, _ in steps])
+    supervised = pos >= len(prompt)
+    with torch.no_grad():
+        h, lay = draft_hidden(drafter, t.embed_tokens.weight, feats, ids, pos, docs, supervised, anchors,
+                              torch.ones(len(steps), dtype=torch.bool), block_size=B, attention=attention)
+        trained = t.lm_head(h)                                                    # [A, B-1, V]
+    assert lay.valid.all()
+    for i, (_start, logits) in enumerate(steps):
+        torch.testing.assert_close(trained[i], logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(trained.argmax(-1), torch.stack([lg.argmax(-1) for _, lg in steps]))
+
+
 def test_oracle_reaches_tau_block_size_and_wrong_drafter_gets_one(tiny_llama):
     t = load_target(tiny_llama, LAYERS, truncate=False)
     B = 4

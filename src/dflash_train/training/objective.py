@@ -325,23 +325,32 @@ def acceptance_metrics(correct: torch.Tensor, valid: torch.Tensor) -> dict[str, 
     return {"acc": acc, "cond_acc": cond, "tau_est": tau}
 
 
-def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, feats: torch.Tensor,
-                input_ids, position_ids, doc_ids, loss_mask, anchors, anchor_valid, *, block_size: int,
-                gamma: float, attention: str = "sdpa", loss_chunk: int = 0) -> dict[str, torch.Tensor]:
-    """One row -> {'loss', 'acc', 'cond_acc', 'tau_est', 'num_labels'} (tensors on the device, no host sync).
-
-    feats [T, k*H]; input_ids/position_ids/doc_ids/loss_mask [T]; anchors/anchor_valid [A]."""
-    cfg = drafter.config
+def draft_hidden(drafter: DFlashDrafter, embed_w: torch.Tensor, feats: torch.Tensor, input_ids, position_ids,
+                 doc_ids, loss_mask, anchors, anchor_valid, *, block_size: int,
+                 attention: str = "sdpa") -> tuple[torch.Tensor, BlockLayout]:
+    """All blocks of one row in one drafter pass -> (hidden states [A, B-1, H] of block positions 1..B-1, layout).
+    The same computation as one speculative-decoding draft per anchor (tests/test_inference.py pins that)."""
     lay = block_layout(input_ids, position_ids, doc_ids, loss_mask, anchors, anchor_valid, block_size,
-                       cfg.mask_token_id)
+                       drafter.config.mask_token_id)
     if attention == "flex":
         attend = flex_attend(flex_block_mask(anchors, doc_ids, block_size))
     else:
         attend = sdpa_attend(dense_block_mask(anchors, doc_ids, block_size))
     x = F.embedding(lay.block_ids.flatten(), embed_w)                       # [A*B, H]
     h = drafter(x, lay.block_pos, feats, position_ids, attend)              # [A*B, H]
+    return h.view(anchors.shape[0], block_size, -1)[:, 1:], lay
+
+
+def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, feats: torch.Tensor,
+                input_ids, position_ids, doc_ids, loss_mask, anchors, anchor_valid, *, block_size: int,
+                gamma: float, attention: str = "sdpa", loss_chunk: int = 0) -> dict[str, torch.Tensor]:
+    """One row -> {'loss', 'acc', 'cond_acc', 'tau_est', 'num_labels'} (tensors on the device, no host sync).
+
+    feats [T, k*H]; input_ids/position_ids/doc_ids/loss_mask [T]; anchors/anchor_valid [A]."""
+    h, lay = draft_hidden(drafter, embed_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors,
+                          anchor_valid, block_size=block_size, attention=attention)
     A = anchors.shape[0]
-    h = h.view(A, block_size, -1)[:, 1:].reshape(A * (block_size - 1), -1)  # positions 1..B-1
+    h = h.reshape(A * (block_size - 1), -1)                                 # positions 1..B-1
     ce, pred = blockwise_ce(h, head_w, lay.labels.flatten(), loss_chunk)
     ce, pred = ce.view(A, block_size - 1), pred.view(A, block_size - 1)
     w = position_weights(block_size, gamma, device=ce.device)[None, :] * lay.valid.float()
