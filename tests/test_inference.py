@@ -364,8 +364,12 @@ def test_eval_cli_writes_report(eval_setup, capsys):
     assert sum(s["accept_histogram"]) == s["steps"] > 0 and 1 <= s["mean_tau"] <= 4
     assert len(s["acceptance_by_position"]) == 3 and s["speedup"] > 0
     assert all(p["baseline"] == p["speculative"] for p in report["prompts"])
+    # training's acc@k estimate on the same outputs, per prompt and as the mean over prompts
+    estimates = [p["tau_estimate"] for p in report["prompts"]]
+    assert all(1 <= e <= 4 for e in estimates) and s["tau_estimate"] == pytest.approx(sum(estimates) / 3)
     assert (out / "eval.png").stat().st_size > 1000
-    assert "lossless" in capsys.readouterr().out
+    console = capsys.readouterr().out
+    assert "lossless" in console and "tau estimate (acc@k)" in console
 
 
 def test_eval_cli_dtype_sets_and_states_the_compute_dtype(eval_setup, capsys):

@@ -5,6 +5,13 @@ untimed warm-up generation each; times run from prefill to the last token (prefi
 tau: mean acceptance length over a prompt's verification steps, then the mean over prompts (DFLASH.md). Lossless
 (greedy only): the speculative tokens equal the plain greedy tokens for every prompt.
 
+Training's estimate on the same outputs (greedy, a DFlashDrafter): the training loop's acc@k metric
+(objective.acceptance_metrics: 1 + sum_k prod_{j<=k} cond_acc_j) computed on the target's own greedy continuation of
+every prompt, with an anchor at every generated position, by the training objective's one-pass forward. At the
+anchors decoding visits, that forward drafts exactly what decoding drafts (tests/test_inference.py), so the
+estimate differs from the measured tau only by averaging over every position instead of the visited ones: a large
+gap points at the data (the training rows' estimate vs held-out prompts), not at a train/serve mismatch.
+
 Numerics of the lossless verdict (`--dtype`, stated in eval.json and on the console): the rule is exact, but the two
 paths compute the target's logits in different passes: speculative decoding verifies B tokens in one forward
 (q = B), plain decoding feeds one token at a time (q = 1). In fp32 the two agree to ~1e-6 and the verdict is exact
@@ -26,6 +33,7 @@ from tqdm import tqdm
 from ..errors import UserError
 from ..models.drafter import DFlashDrafter, DrafterConfig
 from ..models.target import TargetInfo, TargetModel
+from ..training.objective import acceptance_metrics, draft_hidden
 from .baseline import target_generate
 from .drafter_runner import DrafterRunner
 from .speculative import speculative_generate
@@ -73,6 +81,7 @@ class PromptReport:
     speculative_s: float
     first_mismatch: int | None = None    # index of the first differing token (greedy), None if identical
     mismatch_margin: float | None = None  # target's top-1 minus top-2 logit there: ~0 means a numerical tie
+    tau_estimate: float | None = None    # training's acc@k estimate on the target's greedy output (module docstring)
 
     @property
     def tau(self) -> float | None:
@@ -98,6 +107,12 @@ class EvalReport:
     def mean_tau(self) -> float | None:
         taus = [p.tau for p in self.prompts if p.tau is not None]   # a prompt done at its first token has no step
         return sum(taus) / len(taus) if taus else None
+
+    @property
+    def tau_estimate(self) -> float | None:
+        """Mean over prompts of training's acc@k estimate on the target's greedy output (None when not computed)."""
+        est = [p.tau_estimate for p in self.prompts if p.tau_estimate is not None]
+        return sum(est) / len(est) if est else None
 
     @property
     def accept_histogram(self) -> list[int]:
@@ -144,7 +159,7 @@ class EvalReport:
             "num_prompts": len(self.prompts), "block_size": self.block_size, "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens, "device": self.device, "dtype": self.dtype,
             "cuda_graphs": self.graphs,
-            "mean_tau": self.mean_tau, "steps": len(self.steps),
+            "mean_tau": self.mean_tau, "tau_estimate": self.tau_estimate, "steps": len(self.steps),
             "tau_step_weighted": sum(self.steps) / len(self.steps) if self.steps else None,
             "accept_histogram": self.accept_histogram,
             "acceptance_by_position": self.acceptance_by_position,
@@ -174,6 +189,25 @@ def _top2_margin(target: TargetModel, ids: list[int]) -> float:
     logits = target.hf(input_ids=torch.tensor([ids], device=target.device), logits_to_keep=1).logits[0, -1]
     top = logits.float().topk(2).values
     return float(top[0] - top[1])
+
+
+@torch.no_grad()
+def acc_estimate(target: TargetModel, drafter: DFlashDrafter, prompt: list[int], continuation: list[int],
+                 block_size: int) -> float | None:
+    """Training's expected-acceptance estimate on prompt + continuation: an anchor at every position a >= len(prompt)
+    whose next token is generated too, acc@k from one forward of the training objective. None if no anchor fits."""
+    seq = prompt + continuation
+    T, P = len(seq), len(prompt)
+    if T - 1 <= P:
+        return None
+    dev = target.device
+    ids, pos = torch.tensor(seq, device=dev), torch.arange(T, device=dev)
+    docs = torch.zeros(T, dtype=torch.long, device=dev)
+    anchors = torch.arange(P, T - 1, device=dev)
+    h, lay = draft_hidden(drafter, target.embed_tokens.weight, target.features(ids, pos, docs), ids, pos, docs,
+                          pos >= P, anchors, torch.ones_like(anchors, dtype=torch.bool), block_size=block_size)
+    correct = target.lm_head(h).argmax(-1) == lay.labels
+    return float(acceptance_metrics(correct, lay.valid)["tau_est"])
 
 
 def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], max_new_tokens: int,
@@ -212,6 +246,8 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
             rep.first_mismatch = _first_mismatch(base.tokens, spec.tokens)
             if rep.first_mismatch is not None and rep.first_mismatch < len(base.tokens):
                 rep.mismatch_margin = _top2_margin(target, prompt + base.tokens[: rep.first_mismatch])
+            if isinstance(d_run, DrafterRunner):  # the runner's copy: the drafter as decoding ran it (dtype)
+                rep.tau_estimate = acc_estimate(target, d_run.drafter, prompt, base.tokens, B)
         report.prompts.append(rep)
         log.debug("prompt %d: %d tokens, tau %s, %.3fs plain / %.3fs speculative", i, len(spec.tokens),
                   rep.tau, base.seconds, spec.seconds)

@@ -74,6 +74,7 @@ def format_summary(report) -> str:
         ("ms/token", _fmt(s["baseline_ms_per_token"], ".3f"), _fmt(s["speculative_ms_per_token"], ".3f")),
         ("speedup", "", _fmt(s["speedup"], ".2f") + "x"),
         (f"mean tau (B={s['block_size']})", "", _fmt(s["mean_tau"], ".2f")),
+        ("tau estimate (acc@k)", "", _fmt(s["tau_estimate"], ".2f") + "  training's metric on the greedy outputs"),
         ("lossless", "", verdict),
     ]
     w0 = max(len(r[0]) for r in rows)
