@@ -2,11 +2,10 @@
 # The GPU session in one script (H200, torch 2.11, no network). Run from the repo root after staging SmolLM2:
 #   GGUF=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/gpu_suite.sh smollm2|trees|bench
 # TARGET_ATTN=flex trains with the target's document mask as a flex BlockMask (model.target_attention; default sdpa).
-# Inputs under the git-ignored .gpu/data: train_prompts.jsonl (first user turns of ShareGPT, file order) and
-# eval_prompts.jsonl (32 later, disjoint ones). Each stage has its own time limit; logs and results go to $OUT.
-#
-# The multi-GPU recipe (issue 5, second GPU session), data from `benchmarks/gpu_data.py` (train_chats.jsonl.gz:
-# every ShareGPT record but the 32 held out, replies to regenerate; eval_prompts.jsonl.gz):
+# Inputs under the git-ignored .gpu/data, written by `PYTHONPATH=src python3 benchmarks/gpu_data.py` (carry the .gz
+# files): train_chats.jsonl(.gz), every ShareGPT record but the 32 held out, replies to regenerate, and
+# eval_prompts.jsonl(.gz). Each stage has its own time limit; logs and results go to $OUT.
+#   smollm2    one GPU end to end: regenerate first turns (130 s), train, evaluate
 #   regen4     regenerate every reply, one shard per visible GPU in parallel (REGEN_S seconds, resumable)
 #   train      train on /tmp/regen.jsonl on one GPU (STEPS, TRAIN_MIN; resumes the run in $RUN if it exists)
 #   evaluate   eval of $RUN's drafter on the held-out prompts: bf16 (tau, speedup) and fp32 (lossless verdict)
@@ -19,25 +18,13 @@ stage() { echo; echo "=== $1 ($(date +%T))"; }
 
 smollm2() {
   stage "regenerate ShareGPT first turns with SmolLM2 (greedy, batched)"
-  timeout 130 python3 -m dflash_train.cli regenerate --target "$GGUF" --data .gpu/data/train_prompts.jsonl \
-      --out /tmp/regen.jsonl --max-samples "${REGEN_SAMPLES:-12000}" --max-new-tokens 256 --batch-size 512 \
-      --device cuda 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -5
+  [ -f .gpu/data/train_chats.jsonl ] || gunzip -kf .gpu/data/train_chats.jsonl.gz
+  timeout 130 python3 -m dflash_train.cli regenerate --target "$GGUF" --data .gpu/data/train_chats.jsonl \
+      --single-turn --out /tmp/regen.jsonl --max-samples "${REGEN_SAMPLES:-12000}" --max-new-tokens 256 \
+      --batch-size 512 --device cuda 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -5
   wc -l /tmp/regen.jsonl
-  stage "train the drafter: threaded pipeline, reduce-overhead steps in worker threads, one H200 shared"
-  timeout 260 python3 -m dflash_train.cli train --config smollm2_gpu model.target="$GGUF" \
-      data.source=/tmp/regen.jsonl run.out_dir=$RUN run.overwrite=true train.max_minutes="${TRAIN_MIN:-3.0}" \
-      model.target_attention="${TARGET_ATTN:-sdpa}" \
-      2>&1 | grep -v -E "it/s\]|s/it\]" | tail -40
-  cp $RUN/metrics.jsonl "$OUT/" 2>/dev/null; cp $RUN/*.png "$OUT/" 2>/dev/null
-  stage "evaluate on 32 held-out prompts: lossless greedy speculative decoding vs target alone"
-  # A run stopped by the time limit has no drafter/ yet; its last checkpoint is a servable drafter too.
-  D=$RUN/drafter; [ -f "$D/config.json" ] || D=$(ls -d $RUN/checkpoints/step_* 2>/dev/null | tail -1)
-  timeout 150 python3 -m dflash_train.cli eval --drafter "$D" --target "$GGUF" \
-      --prompts .gpu/data/eval_prompts.jsonl --max-new-tokens 256 --device cuda --out "$OUT/eval" 2>&1 | tail -40
-  stage "lossless verdict in fp32 on 8 held-out prompts (in bf16 near-ties may round differently)"
-  timeout 90 python3 -m dflash_train.cli eval --drafter "$D" --target "$GGUF" --dtype fp32 \
-      --prompts .gpu/data/eval_prompts.jsonl --num-prompts 8 --max-new-tokens 128 --device cuda \
-      --out "$OUT/eval_fp32" 2>&1 | tail -12
+  train
+  evaluate
 }
 
 regen4() {
