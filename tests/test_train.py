@@ -134,6 +134,42 @@ def test_run_written_before_a_config_field_existed_still_resumes(tmp_path):
         prepare_out_dir(changed)
 
 
+def test_device_side_skip_matches_the_host_decision(caplog):
+    """With fused AdamW (CUDA; fused also runs on CPU, which this test uses) the non-finite skip is decided on the
+    device: same weights, moments and step counts as the host decision, the count read only when asked for."""
+    from dflash_train.config import TrainConfig
+    from dflash_train.training.optim import NonFiniteError, Updater, build_scheduler
+
+    cfg = TrainConfig(lr=1e-2, warmup_ratio=0.0)
+    bad_steps = {2, 5}
+
+    def run(fused: bool, nonfinite: str):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+        opt = torch.optim.AdamW(params, lr=cfg.lr, fused=fused)
+        update = Updater(params, opt, build_scheduler(opt, cfg, 8), 1.0, nonfinite)
+        for step in range(1, 9):
+            g = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g) * (float("nan") if step in bad_steps else 1.0)
+            update(step)
+        return update, params, opt
+
+    device, params, opt = run(fused=True, nonfinite="skip")
+    assert device.on_device and device._count.item() == 2
+    host, ref_params, ref_opt = run(fused=False, nonfinite="skip")
+    assert not host.on_device
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r)
+        assert opt.state[p]["step"].item() == ref_opt.state[r]["step"].item() == 6
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"])
+    with caplog.at_level("WARNING", logger="dflash_train"):
+        assert device.skipped(8) == 2 and host.skipped(8) == 2
+    assert "by step 8: 2 more step(s) with a non-finite loss or gradients, update skipped (2 so far)" in caplog.text
+    with pytest.raises(NonFiniteError, match="Step 2 has a non-finite loss"):
+        run(fused=True, nonfinite="stop")          # stop decides on the host, at the step itself
+
+
 def test_compile_policy_is_applied_on_import():
     """Trees off (worker threads) and donated buffers off (correct grads under per-function CUDA graphs)."""
     import torch._functorch.config as functorch_config

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..models.drafter import DFlashDrafter
-from ..training.optim import apply_update, build_optimizer, build_scheduler
+from ..training.optim import Updater, build_optimizer, build_scheduler
 from ..training.run import RunSetup
 from ..training.step import DrafterStep
 from .devices import new_stream, wait_event
@@ -72,7 +72,7 @@ class DrafterWorker(Worker):
         self.batch_indices: list[int] = []  # the data positions it trained on, in order
         self._pending_checksums: list[torch.Tensor] = []
         self.budget = None  # TimeBudget shared by all replicas (train.max_minutes), set by the coordinator
-        self.skipped_steps = 0  # steps without an update: non-finite averaged gradients (train.nonfinite=skip)
+        self.update: Updater | None = None  # made in setup(), with the optimizer
 
     def setup(self) -> None:
         cfg = self.run.cfg.train
@@ -85,6 +85,8 @@ class DrafterWorker(Worker):
             # deepcopy: on CPU load_state_dict keeps the given tensors, and replicas must not share Adam moments
             self.optimizer.load_state_dict(copy.deepcopy(self.train_state["optimizer"]))
             self.scheduler.load_state_dict(self.train_state["scheduler"])
+        self.update = Updater(self.params, self.optimizer, self.scheduler, cfg.grad_clip, cfg.nonfinite,
+                              announce=self.replica == 0, where=" on every replica")
         # Its own tag -> its own code object -> its own compile cache and CUDA graphs (see training/step.py).
         self.step_fn = DrafterStep(self.drafter, self.embed_w, self.head_w, cfg, self.device, tag=str(self.replica))
         self._warm_up()
@@ -103,7 +105,6 @@ class DrafterWorker(Worker):
         self.optimizer.zero_grad(set_to_none=False)  # in place: DrafterStep's .grad buffers are persistent
 
     def loop(self) -> None:
-        clip, nonfinite = self.run.cfg.train.grad_clip, self.run.cfg.train.nonfinite
         for step in range(self.steps_done, self.run.total_steps):
             item = self.get(self.inbox)
             if item is END_OF_DATA:
@@ -119,11 +120,7 @@ class DrafterWorker(Worker):
             log_step = self.is_log_step(step + 1)
             metrics = self.gradsync.all_reduce(self, self.replica, self.params, metrics if log_step else None)
             with self.clock.busy():  # the single-device trainer's update; the same skip decision on every replica
-                if not apply_update(self.params, self.optimizer, self.scheduler, clip, nonfinite, step + 1):
-                    self.skipped_steps += 1
-                    if self.replica == 0:
-                        log.warning(f"step {step + 1}: non-finite loss or gradients, update skipped on every "
-                                    f"replica ({self.skipped_steps} so far)")
+                self.update(step + 1)
             self.steps_done = step + 1
             self._pending_checksums.append(weights_checksum(self.params))
             self.guard.check(self.name, step + 1)
@@ -134,6 +131,12 @@ class DrafterWorker(Worker):
             if self.budget is not None and self.budget.should_stop(self.steps_done, decider=self.replica == 0):
                 break  # every replica stops after the same step (see training/budget.py)
         self.flush_checksums()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps without an update (non-finite averaged gradients, train.nonfinite=skip). Reads a device counter on
+        CUDA: call it at log steps and at the end, not every step."""
+        return self.update.skipped(self.steps_done) if self.update is not None else 0
 
     def flush_checksums(self) -> None:
         self.checksums += [float(c) for c in self._pending_checksums]

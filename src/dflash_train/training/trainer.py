@@ -18,7 +18,7 @@ from ..models.target import load_target
 from .budget import TimeBudget
 from .checkpointing import CheckpointManager, resume_point
 from .metrics import MetricsLogger
-from .optim import apply_update, build_optimizer, build_scheduler
+from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
 from .run import RunSetup, build_run
 from .step import DrafterStep
@@ -57,7 +57,8 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
     step_fn = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, cfg.train, device)
     logger = MetricsLogger(setup.out_dir, setup.total_steps, cfg.train.token_budget, cfg.train.log_every,
                            start_step=start_step)
-    step, skipped = start_step, 0
+    step = start_step
+    update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     budget = TimeBudget(cfg.train.max_minutes)  # the clock starts with the first step
     logger.budget = budget
     try:
@@ -65,17 +66,15 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
             b = batch.to(device)
             feats = target.features(b.input_ids, b.position_ids, b.doc_ids)
             metrics = step_fn(b, feats)
-            if not apply_update(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite, step + 1):
-                skipped += 1
-                log.warning(f"step {step + 1}: non-finite loss or gradients, update skipped ({skipped} so far)")
+            update(step + 1)
             step += 1
             if logger.should_log(step):
-                logger.log(step, metrics, scheduler.get_last_lr()[0], extra={"skipped": skipped})
+                logger.log(step, metrics, scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
                 ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
             if budget.should_stop(step):
                 if not logger.should_log(step):  # the last step's metrics belong in the log and the plots
-                    logger.log(step, metrics, scheduler.get_last_lr()[0], extra={"skipped": skipped})
+                    logger.log(step, metrics, scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
                 break
         ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
         final = save_drafter(drafter, setup.out_dir / "drafter")
@@ -83,4 +82,4 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
         logger.close()
     write_training_plots(setup.out_dir, logger.history)
     log.info(f"done: {step} steps; servable drafter in {final}")
-    return TrainResult(setup.out_dir, final, step, logger.history, skipped)
+    return TrainResult(setup.out_dir, final, step, logger.history, update.skipped(step))
