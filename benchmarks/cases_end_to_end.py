@@ -234,7 +234,8 @@ def annotate_scaling(rows: list[Row]) -> None:
 
 
 @benchmark("generate", "batched greedy generation (dataset regeneration): batches in arrival order over whole caches "
-                       "(before) vs windowed attention vs length-sorted pools + windowed attention (regenerate now)")
+                       "(before) vs windowed attention vs length-sorted pools, with HF's repeat_kv attention and "
+                       "with packed GQA (regenerate now)")
 def bench_generate(ctx: Context):
     """`dflash-train regenerate`'s decoding on random-init weights of the suite's generation shape (SmolLM2-135M on
     the GPU) and log-normal prompt lengths (a long tail, like chat prompts). Every variant generates new_tokens for
@@ -279,7 +280,7 @@ def bench_generate(ctx: Context):
             out += [idx[k:k + b] for k in range(0, len(idx), b)]
         return out
 
-    def measure(batches: list[list[int]], windowed: bool):
+    def measure(batches: list[list[int]], windowed: bool, packed: bool = True):
         def run():
             hf, gens, outs, slots = model(), {}, {}, 0
             sync(dev)
@@ -290,12 +291,12 @@ def bench_generate(ctx: Context):
                 if windowed:  # one cache, replaced by a larger one only when a batch does not fit (regenerate now)
                     if "one" not in gens or gens["one"].runner.max_len < need:
                         gens.clear()
-                        gens["one"] = BatchGenerator(hf, b, slots_for(need))
+                        gens["one"] = BatchGenerator(hf, b, slots_for(need), packed_gqa=packed)
                     gen = gens["one"]
                 else:  # one cache per size, attention over all of it every step (before)
                     key = slots_for(need)
                     if key not in gens:
-                        gens[key] = BatchGenerator(hf, b, key, kv_window=None)
+                        gens[key] = BatchGenerator(hf, b, key, kv_window=None, packed_gqa=packed)
                     gen = gens[key]
                 slots += b * max(map(len, batch))
                 outs.update(zip(idx, gen.generate(batch, new)))
@@ -311,9 +312,13 @@ def bench_generate(ctx: Context):
         return run
 
     shape = f"{n} prompts b={b} +{new}"
-    ctx.variant("generate", "arrival order, whole cache (before)", shape, measure(arrival(), False), cost_s=120)
-    ctx.variant("generate", "arrival order, windowed attention", shape, measure(arrival(), True), cost_s=60)
-    ctx.variant("generate", "length-sorted pools, windowed attention (regenerate now)", shape,
+    ctx.variant("generate", "arrival order, whole cache, repeat_kv (before)", shape,
+                measure(arrival(), False, packed=False), cost_s=120)
+    ctx.variant("generate", "arrival order, windowed, repeat_kv", shape, measure(arrival(), True, packed=False),
+                cost_s=60)
+    ctx.variant("generate", "sorted pools, windowed, repeat_kv (2nd GPU session)", shape,
+                measure(sorted_pools(), True, packed=False), cost_s=60)
+    ctx.variant("generate", "sorted pools, windowed, packed GQA (regenerate now)", shape,
                 measure(sorted_pools(), True), cost_s=60)
 
 

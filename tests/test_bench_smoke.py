@@ -40,7 +40,7 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
     compiled = [r for r in drafter if r["variant"].startswith("compile")]
     assert all(r["extra"]["compile"]["graph_breaks"] == 0 for r in compiled), compiled
     generate = [r for r in rows if r["bench"] == "generate"]
-    assert len(generate) == 3 and all(r["status"] == "ok" for r in generate), generate
+    assert len(generate) == 4 and all(r["status"] == "ok" for r in generate), generate
     assert all(r["extra"]["same_as_first"] == 1.0 for r in generate)  # fp32: batching changes no output
     pipeline = {r["variant"]: r for r in rows if r["bench"] == "pipeline"}
     assert all(r["status"] == "ok" for r in pipeline.values()), pipeline

@@ -206,6 +206,41 @@ def test_max_new_tokens_and_eos_mid_block(tiny_llama):
     assert base.tokens == spec.tokens == cont[: i + 1]
 
 
+@pytest.mark.parametrize("q", [1, 4, 16, 200])
+def test_packed_gqa_attention_equals_hf_sdpa(q):
+    """Query heads packed as rows of their K/V head == HF's SDPA with repeat_kv (bool and additive masks); many rows
+    (prefill) go to HF's function itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dflash_train.inference.attention import packed_gqa_attention
+
+    class Layer:
+        num_key_value_groups, is_causal = 3, True
+
+    g = torch.Generator().manual_seed(q)
+    b, H, Hkv, L, d = 3, 9, 3, 40 + q, 16
+    query, key, value = (torch.randn(b, h, n, d, generator=g) for h, n in ((H, q), (Hkv, L), (Hkv, L)))
+    mask = torch.rand(b, 1, q, L, generator=g) > 0.3
+    mask[..., 0] = True
+    for m in (mask, torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))):
+        ref, _ = sdpa_attention_forward(Layer(), query, key, value, m, scaling=0.25)
+        out, _ = packed_gqa_attention(Layer(), query, key, value, m, scaling=0.25)
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+
+
+def test_runners_switch_sdpa_models_to_packed_gqa_only(tiny_qwen3):
+    from dflash_train.inference.attention import NAME
+
+    t = load_target(tiny_qwen3, LAYERS, truncate=False)
+    TargetRunner.for_target(t, 64, step_lens=(1, 4))
+    assert t.hf.config._attn_implementation == NAME and t.attention == "sdpa"
+    BatchGenerator(t.hf, 2, 64, packed_gqa=False)
+    assert t.hf.config._attn_implementation == "sdpa"
+    flex = load_target(tiny_qwen3, LAYERS, truncate=False, attention="flex")
+    BatchGenerator(flex.hf, 2, 64)
+    assert flex.hf.config._attn_implementation == "flex_attention"   # left as it is
+
+
 def test_generate_batch_matches_single_prompt_greedy(tiny_qwen3):
     t = load_target(tiny_qwen3, LAYERS, truncate=False)
     prompts = [[3], [7, 8, 9, 10, 11, 12], [20, 21, 22]]

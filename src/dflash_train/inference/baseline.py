@@ -46,8 +46,9 @@ class BatchGenerator:
     """Reusable batched decoder: one static cache of `max_len` slots for `batch_size` rows; any batch whose longest
     prompt + max_new_tokens fits reuses it (and the steps captured so far, one per attention window)."""
 
-    def __init__(self, hf, batch_size: int, max_len: int, graphs: bool | None = None, kv_window: int | None = KV_WINDOW):
-        self.runner = TargetRunner.for_hf(hf, max_len, batch_size, (1,), graphs, kv_window)
+    def __init__(self, hf, batch_size: int, max_len: int, graphs: bool | None = None, kv_window: int | None = KV_WINDOW,
+                 packed_gqa: bool = True):
+        self.runner = TargetRunner.for_hf(hf, max_len, batch_size, (1,), graphs, kv_window, packed_gqa)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=(), temperature: float = 0.0,

@@ -7,6 +7,9 @@ visible to later queries and the next block overwrites them before it attends. T
 speculative verifier (q = B), the plain decoding baseline (q = 1) and batched generation, so every path shares one
 harness and one set of kernels.
 
+Grouped-query attention: steps attend with the query heads of each K/V head packed as extra query rows
+(inference/attention.py), so a step reads the cache once instead of copying it per query head.
+
 Attention window (`kv_window=W`, batched generation): by default every step attends over all max_len slots, most of
 them still empty early in a generation. With a window, a forward whose tokens end at slot e attends over the first
 ceil(e / W) * W slots only (prefill: exactly its P slots): the same visible slots, so the same result, at a cost
@@ -22,6 +25,7 @@ from typing import Callable
 import torch
 
 from ..models.target import TargetInfo, TargetModel
+from .attention import restore_sdpa, use_packed_gqa
 from .cuda_graph import GraphedStep, resolve_graphs
 
 # model_fn(ids [b, q], pos [b, q], mask [b, 1, q, L], cache_kwargs, keep) -> (logits [b, keep, V], feats or None)
@@ -81,7 +85,10 @@ class TargetRunner:
     Outputs of `step` are overwritten by the next call of the same length."""
 
     def __init__(self, model_fn: ModelFn, hf, max_len: int, batch_size: int = 1, step_lens: tuple[int, ...] = (1,),
-                 graphs: bool | None = None, kv_window: int | None = None):
+                 graphs: bool | None = None, kv_window: int | None = None, packed_gqa: bool = True):
+        # Steps read each cached K/V head once instead of a copy per query head (inference/attention.py); off = HF's
+        # own SDPA (benchmarks compare both).
+        use_packed_gqa(hf) if packed_gqa else restore_sdpa(hf)
         emb = hf.get_input_embeddings().weight
         self.device, self.dtype = emb.device, emb.dtype
         self.graphs = resolve_graphs(graphs, self.device)
@@ -111,9 +118,9 @@ class TargetRunner:
 
     @classmethod
     def for_hf(cls, hf, max_len: int, batch_size: int = 1, step_lens=(1,), graphs: bool | None = None,
-               kv_window: int | None = None):
+               kv_window: int | None = None, packed_gqa: bool = True):
         """Logits only, any HF causal LM (batched generation for dataset regeneration)."""
-        return cls(_hf_fn(hf.eval()), hf, max_len, batch_size, tuple(step_lens), graphs, kv_window)
+        return cls(_hf_fn(hf.eval()), hf, max_len, batch_size, tuple(step_lens), graphs, kv_window, packed_gqa)
 
     def _graphed_step(self, q: int, visible: int) -> GraphedStep:
         """The (q, visible) step, captured now if new. Its warm-up runs on what the buffers hold: at construction
