@@ -6,6 +6,8 @@ FLOP/s by the bf16 matmul rate measured first in the same run.
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 import time
 
@@ -20,7 +22,7 @@ from dflash_train.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.models.target import TargetInfo, TargetModel, default_layer_ids
 from dflash_train.training.flops import drafter_step_flops, target_forward_flops, visible_pairs
 from dflash_train.training.objective import block_layout, default_gamma, dense_block_mask, position_weights, sdpa_attend
-from dflash_train.training.optim import build_optimizer
+from dflash_train.training.optim import Updater, build_optimizer, build_scheduler
 from dflash_train.training.step import DrafterStep
 
 # ------------------------------------------------------------------------------------------- shared pieces
@@ -117,6 +119,10 @@ class DrafterRig:
         self.reference = reference
         self.params = list(self.drafter.parameters())
         self.opt = build_optimizer(self.params, self.tcfg, dev)
+        # The trainer's update (clip, AdamW with the non-finite skip, schedule, zero grads), so its host syncs count.
+        flat_lr = build_scheduler(self.opt, dataclasses.replace(self.tcfg, warmup_ratio=0.0), 10**6)
+        self.update = Updater(self.params, self.opt, flat_lr, 1.0, "skip", announce=False)
+        self.steps = 0
 
     def fwd_bwd(self, batch, feats):
         if self.reference:
@@ -124,9 +130,8 @@ class DrafterRig:
         return self.step(batch, feats)
 
     def optim(self):
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=False)   # persistent .grad buffers (see DrafterStep)
+        self.steps += 1
+        self.update(self.steps)
 
 
 def reference_step(rig: DrafterRig, b, feats):
@@ -184,7 +189,7 @@ def measure_drafter(ctx: Context, rig: DrafterRig, batches, feats, flops: float)
     note = (f"fwd+bwd {extra['fwd_bwd_ms']:.1f} ms, optim {extra['optim_ms']:.1f} ms, 1st call {first_s:.0f}s, "
             f"loss {loss_first:.4f}->{loss:.4f}")
     if syncs_step is not None:
-        note += f", syncs {syncs_step}"
+        note += f", syncs step {syncs_step} + update {syncs_optim}"
     if diag.get("graph_breaks"):
         note += f", {diag['graph_breaks']} graph breaks"
     if diag.get("cudagraph_skips"):
