@@ -85,6 +85,45 @@ def test_regenerate_writes_valid_jsonl_and_resumes(chat_target, tmp_path, capsys
     assert "other settings" in capsys.readouterr().err
 
 
+def test_regenerate_on_several_devices_writes_what_one_device_writes(chat_target, tmp_path):
+    """Two replicas (threads, here both on the CPU) draw from one stream of conversations: together they write the
+    same records as one replica, each once; the CLI takes a device list."""
+    data = write_chats(tmp_path / "chats.jsonl", 14, turns=2)
+    args = ["regenerate", "--target", chat_target, "--data", str(data), "--max-new-tokens", "5", "--batch-size", "3"]
+    assert main(args + ["--out", str(tmp_path / "one.jsonl"), "--device", "cpu"]) == 0
+    assert main(args + ["--out", str(tmp_path / "two.jsonl"), "--device", "cpu,cpu"]) == 0
+    one, two = _records(tmp_path / "one.jsonl"), _records(tmp_path / "two.jsonl")
+    assert len(two) == len({r["id"] for r in two}) == 14
+    assert sorted(two, key=lambda r: r["id"]) == sorted(one, key=lambda r: r["id"])
+    assert main(args + ["--out", str(tmp_path / "x.jsonl"), "--device", "cpu,gpu7"]) == 2
+
+
+def test_a_failing_replica_stops_regeneration_and_is_named(chat_target, tmp_path, monkeypatch):
+    from dflash_train.data.regenerate import (RegenerateSettings, Regenerator, iter_source_records,
+                                              load_generation_model, regenerate_dataset)
+
+    data = write_chats(tmp_path / "chats.jsonl", 40, turns=1)
+    models = [load_generation_model(chat_target, torch.device("cpu")) for _ in range(2)]
+    calls = {"n": 0}
+    original = Regenerator._batch_generator
+
+    def flaky(self, slots):
+        if self.hf is models[1]:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise ValueError("boom on the second batch")
+        return original(self, slots)
+
+    monkeypatch.setattr(Regenerator, "_batch_generator", flaky)
+    items = [(rid, conv, True) for rid, conv in iter_source_records(str(data), Counter())]
+    out = tmp_path / "regen.jsonl"
+    settings = RegenerateSettings(str(data), chat_target, 4, 0.0, False, 1024)
+    with pytest.raises(RuntimeError, match=r"regeneration on cpu failed \(ValueError: boom on the second batch\)"):
+        regenerate_dataset(models, load_tokenizer(chat_target), items, out, settings, batch_size=2)
+    written = _records(out)
+    assert 0 < len(written) < 40 and len({r["id"] for r in written}) == len(written)  # the finished ones, once
+
+
 def test_regenerate_single_turn_and_too_long(chat_target, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl", 4, turns=3)
     out = tmp_path / "regen.jsonl"

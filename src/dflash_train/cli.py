@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--batch-size", type=int, default=32)
     r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--device", default="auto")
+    r.add_argument("--device", default="auto",
+                   help="'auto', 'all' (every visible GPU), or a comma-separated list (cuda:0,cuda:1): one model "
+                        "replica per device, all regenerating at once")
     r.add_argument("--single-turn", action="store_true",
                    help="keep each conversation only up to its first assistant turn (one generation each)")
     r.add_argument("--max-length", type=int, default=2048,

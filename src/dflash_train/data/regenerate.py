@@ -29,10 +29,13 @@ keeps the source's train/held-out split, because the data loader reads the key b
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
+import threading
 import time
+import traceback
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,9 +204,9 @@ class Regenerator:
         return self._generator
 
     def run(self, items: Iterable[tuple[str, Conversation, bool]], write, flush, stats: RegenerateStats,
-            bar: tqdm) -> None:
+            bar: tqdm, stop: threading.Event | None = None) -> None:
         """items: (id, conversation, regenerate?); False copies the conversation unchanged. write(record) for each
-        finished conversation, flush() after every batch."""
+        finished conversation, flush() after every batch. A set `stop` ends the run before its next batch."""
         s = self.settings
         t0 = time.perf_counter()
         pool: list[tuple[_Chat, list[int]]] = []  # conversations with a reply due, and its prompt ids
@@ -253,6 +256,9 @@ class Regenerator:
                 pool.sort(key=lambda item: len(item[1]))  # stable: ties keep arrival order (deterministic output)
                 n = len(pool) if exhausted else len(pool) // b * b  # a part batch waits for the next pool
                 chunk, pool[:] = pool[:n], pool[n:]
+            if stop is not None and stop.is_set():
+                flush()
+                return
             batch, chunk = chunk[:b], chunk[b:]
             prompts = [ids for _, ids in batch]
             gen = self._batch_generator(max(len(p) for p in prompts) + s.max_new_tokens)
@@ -270,20 +276,31 @@ class Regenerator:
             bar.set_postfix_str(f"{stats.generated_tokens / (time.perf_counter() - t0):,.0f} tok/s", refresh=False)
 
 
-def regenerate_dataset(hf, tokenizer, items: Iterable[tuple[str, Conversation, bool]], out_path: str | Path,
+def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversation, bool]], out_path: str | Path,
                        settings: RegenerateSettings, batch_size: int, total: int | None = None,
                        replace_mismatch: bool = False, graphs: bool | None = None) -> RegenerateStats:
-    """Regenerate `items` ((id, conversation, regenerate?) in order) into out_path (JSONL, appended, resumable)."""
+    """Regenerate `items` ((id, conversation, regenerate?) in order) into out_path (JSONL, appended, resumable).
+
+    models: one HF causal LM, or a list of replicas (one per device). Several replicas each run a Regenerator in
+    a thread on their own device, drawing conversations from one shared iterator (a free replica takes the next
+    ones: no fixed shards to wait for); records are written as they finish, so the file's order then interleaves
+    the devices (readers key on the id). A replica that fails stops the others before their next batch, and the
+    error names its device."""
     from ..inference.benchmark import stop_token_ids
 
+    models = list(models) if isinstance(models, (list, tuple)) else [models]
     if batch_size < 1:
         raise UserError("The regeneration batch size must be at least 1.")
     out_path = Path(out_path)
     check_settings(out_path, settings, replace_mismatch)
     done = read_done_ids(out_path)
     stats = RegenerateStats()
-    regen = Regenerator(hf, tokenizer, settings, batch_size, stop_token_ids(hf, tokenizer), graphs)
+    stop_ids = stop_token_ids(models[0], tokenizer)
+    # Tokenizers are not safe to share between threads: every extra replica gets its own copy.
+    regens = [Regenerator(hf, tokenizer if i == 0 else copy.deepcopy(tokenizer), settings, batch_size, stop_ids,
+                          graphs) for i, hf in enumerate(models)]
     t0 = time.perf_counter()
+    lock = threading.Lock()
     with open(out_path, "a", encoding="utf-8") as f, \
             tqdm(total=total, desc="regenerating", unit="conv", disable=None, leave=False) as bar:
         def todo():
@@ -295,13 +312,67 @@ def regenerate_dataset(hf, tokenizer, items: Iterable[tuple[str, Conversation, b
                     yield rid, conv, flag
 
         def write(record: dict) -> None:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            line = json.dumps(record, ensure_ascii=False) + "\n"
+            with lock:
+                f.write(line)
+
+        def flush() -> None:
+            with lock:
+                f.flush()
 
         # Flushed after every batch: a crash loses at most the batch in flight (and read_done_ids drops a cut line).
-        regen.run(todo(), write, f.flush, stats, bar)
+        if len(regens) == 1:
+            regens[0].run(todo(), write, flush, stats, bar)
+        else:
+            _run_replicas(regens, todo(), write, flush, stats, bar)
     stats.seconds = time.perf_counter() - t0
     log.info(stats.line())
     return stats
+
+
+def _run_replicas(regens: list[Regenerator], items: Iterator, write, flush, stats: RegenerateStats,
+                  bar: tqdm) -> None:
+    """One thread per replica over a shared iterator; per-replica stats summed into `stats`."""
+    source_lock, stop = threading.Lock(), threading.Event()
+    failures: list[tuple[str, BaseException, str]] = []
+    parts = [RegenerateStats() for _ in regens]
+
+    def shared():
+        while not stop.is_set():
+            with source_lock:
+                item = next(items, None)
+            if item is None:
+                return
+            yield item
+
+    def work(regen: Regenerator, part: RegenerateStats) -> None:
+        device = regen.hf.get_input_embeddings().weight.device
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                regen.run(shared(), write, flush, part, bar, stop)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller's thread, with its traceback
+            failures.append((str(device), e, traceback.format_exc()))
+            stop.set()
+
+    threads = [threading.Thread(target=work, args=(r, p), name=f"dflash-regenerate{i}", daemon=True)
+               for i, (r, p) in enumerate(zip(regens, parts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p in parts:
+        stats.conversations += p.conversations
+        stats.copied += p.copied
+        stats.turns += p.turns
+        stats.generated_tokens += p.generated_tokens
+        stats.dropped.update(p.dropped)
+    if failures:
+        device, exc, tb = failures[0]
+        if isinstance(exc, UserError):  # the user's to fix: one sentence, as on one device
+            raise exc
+        raise RuntimeError(f"regeneration on {device} failed ({type(exc).__name__}: {exc}); the other devices "
+                           f"stopped after their current batch and every finished conversation is saved (rerun "
+                           f"to resume).\n{tb}") from exc
 
 
 def _select(source: str, max_samples: int | None, counts: Counter) -> Iterator[tuple[str, Conversation, bool]]:
@@ -328,7 +399,8 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     from .conversations import is_heldout
 
     d = cfg.data
-    device = resolve_pipeline_devices(cfg.pipeline)[0][0]
+    targets, drafters = resolve_pipeline_devices(cfg.pipeline)
+    devices = list(dict.fromkeys(targets + drafters))  # every device the run will use, once each
     out_path = Path(out_dir) / "regenerated.jsonl"
     settings = RegenerateSettings(source=d.source, target=str(cfg.model.target or "smollm2"),
                                   max_new_tokens=d.regenerate_max_new_tokens, temperature=0.0, single_turn=False,
@@ -348,19 +420,32 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
 
     total = None if d.max_samples is None else d.max_samples + cap[True]
     log.info(f"data.regenerate: the target rewrites {d.max_samples or 'all'} training conversations of "
-             f"{d.source!r} into {out_path} on {device}")
-    hf = load_generation_model(cfg.model.target, device)
-    regenerate_dataset(hf, tokenizer, items(), out_path, settings, batch_size=64 if device.type == "cuda" else 8,
+             f"{d.source!r} into {out_path} on {', '.join(map(str, devices))}")
+    models = [load_generation_model(cfg.model.target, dev) for dev in devices]
+    cuda = devices[0].type == "cuda"
+    regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=64 if cuda else 8,
                        total=total, replace_mismatch=cfg.run.overwrite)
-    del hf
-    if device.type == "cuda":
+    del models
+    if cuda:
         torch.cuda.empty_cache()
     return dataclasses.replace(d, source=str(out_path), regenerate=False)
 
 
+def parse_devices(spec: str) -> list[torch.device]:
+    """--device: 'auto', 'all' (every visible GPU, else the CPU), or a comma-separated list ('cuda:0,cuda:1')."""
+    from ..devices import parse_device
+
+    if spec.strip() == "all":
+        n = torch.cuda.device_count()
+        return [torch.device("cuda", i) for i in range(n)] if n else [torch.device("cpu")]
+    names = [x for x in spec.split(",") if x.strip()]
+    if not names:
+        raise UserError("--device is empty; use 'auto', 'all', 'cpu', 'cuda:N' or a comma-separated list of them.")
+    return [parse_device(x, "--device") for x in names]
+
+
 def run_regenerate_cli(args) -> int:
     from ..models.target import load_tokenizer
-    from ..devices import parse_device
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1.")
@@ -379,11 +464,11 @@ def run_regenerate_cli(args) -> int:
     with open_source(args.data):  # a bad --data fails here, before the model loads
         pass
     check_settings(out_path, settings, replace=False)
-    device = parse_device(args.device, "--device")
+    devices = parse_devices(args.device)
     tokenizer = load_tokenizer(args.target)
-    hf = load_generation_model(args.target, device)
+    models = [load_generation_model(args.target, d) for d in devices]
     counts: Counter = Counter()
-    stats = regenerate_dataset(hf, tokenizer, _select(args.data, args.max_samples, counts), out_path, settings,
+    stats = regenerate_dataset(models, tokenizer, _select(args.data, args.max_samples, counts), out_path, settings,
                                args.batch_size, total=args.max_samples)
     skipped = {k.removeprefix("skip:"): n for k, n in counts.items() if k.startswith("skip:")}
     if skipped:
