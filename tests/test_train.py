@@ -170,6 +170,26 @@ def test_device_side_skip_matches_the_host_decision(caplog):
         run(fused=True, nonfinite="stop")          # stop decides on the host, at the step itself
 
 
+def test_log_window_estimate_covers_every_block_of_the_window():
+    """A log line's acc / tau estimate is that of all blocks of its window together (summed counts), not the
+    last batch's; its loss is the window's mean."""
+    from dflash_train.training.metrics import StepWindow
+    from dflash_train.training.objective import acceptance_metrics
+
+    g = torch.Generator().manual_seed(0)
+    steps = [(torch.rand(32, 7, generator=g) < p, torch.rand(32, 7, generator=g) < 0.9) for p in (0.9, 0.3, 0.6)]
+    window = StepWindow()
+    for i, (correct, valid) in enumerate(steps):
+        window.add(dict(acceptance_metrics(correct, valid), loss=torch.tensor(float(i)), num_labels=valid.sum()))
+    got = window.take()
+    whole = acceptance_metrics(torch.cat([c for c, _ in steps]), torch.cat([v for _, v in steps]))
+    for k in ("acc", "cond_acc", "tau_est", "counts"):
+        torch.testing.assert_close(got[k], whole[k])
+    assert float(got["loss"]) == 1.0 and int(got["num_labels"]) == sum(int(v.sum()) for _, v in steps)
+    with pytest.raises(RuntimeError, match="no step"):
+        window.take()                                    # taken: the next window starts empty
+
+
 def test_compile_policy_is_applied_on_import():
     """Trees off (worker threads) and donated buffers off (correct grads under per-function CUDA graphs)."""
     import torch._functorch.config as functorch_config

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from ..models.drafter import DFlashDrafter
+from ..training.metrics import StepWindow
 from ..training.optim import Updater, build_optimizer, build_scheduler
 from ..training.run import RunSetup
 from ..training.step import DrafterStep
@@ -73,6 +74,7 @@ class DrafterWorker(Worker):
         self._pending_checksums: list[torch.Tensor] = []
         self.budget = None  # TimeBudget shared by all replicas (train.max_minutes), set by the coordinator
         self.update: Updater | None = None  # made in setup(), with the optimizer
+        self.window = StepWindow()  # this replica's steps since the last log step (averaged over replicas there)
 
     def setup(self) -> None:
         cfg = self.run.cfg.train
@@ -116,9 +118,11 @@ class DrafterWorker(Worker):
                 metrics = self.step_fn(item.batch, item.feats)
             if fault:  # injected nan/inf: this replica's loss and gradients
                 poison_(fault, metrics["loss"], *(p.grad for p in self.params))
+            self.window.add(metrics)
             del item  # the batch's device memory can be reused as soon as the step's kernels are done
             log_step = self.is_log_step(step + 1)
-            metrics = self.gradsync.all_reduce(self, self.replica, self.params, metrics if log_step else None)
+            metrics = self.gradsync.all_reduce(self, self.replica, self.params,
+                                               self.window.take() if log_step else None)
             with self.clock.busy():  # the single-device trainer's update; the same skip decision on every replica
                 self.update(step + 1)
             self.steps_done = step + 1

@@ -16,6 +16,35 @@ import torch
 log = logging.getLogger("dflash_train")
 
 
+class StepWindow:
+    """The metrics of every step since the last log step, summed on the device (no host sync): a log line reports
+    its whole window, not the one batch that happens to end it. take() -> the window's metrics, with the keys a
+    step returns: loss = mean over the steps, acc / cond_acc / tau_est from the summed acceptance counts (so the
+    estimate averages every block of the window), counts and num_labels = sums."""
+
+    def __init__(self):
+        self._sum: dict[str, torch.Tensor] | None = None
+        self._steps = 0
+
+    def add(self, metrics: dict[str, torch.Tensor]) -> None:
+        if self._sum is None:
+            self._sum = {k: metrics[k].detach().clone().float() for k in ("loss", "counts", "num_labels")}
+        else:
+            for k, v in self._sum.items():
+                v.add_(metrics[k].detach().float())
+        self._steps += 1
+
+    def take(self) -> dict[str, torch.Tensor]:
+        if self._sum is None:
+            raise RuntimeError("no step in this log window")
+        from .objective import acceptance_from_counts
+
+        out = dict(self._sum, loss=self._sum["loss"] / self._steps)
+        out.update(acceptance_from_counts(out["counts"]))
+        self._sum, self._steps = None, 0
+        return out
+
+
 class MetricsLogger:
     """Accumulates per-step device metrics and flushes them as one line + JSONL (+ TensorBoard) per log step."""
 
@@ -48,6 +77,9 @@ class MetricsLogger:
         steps = max(1, step - self._last_step)
         dt = (now - self._last_t) / steps
         self._last_t, self._last_step = now, step
+        if "counts" in metrics:  # replicas' windows averaged count by count: the ratios follow from the counts
+            from .objective import acceptance_from_counts
+            metrics = dict(metrics, **acceptance_from_counts(metrics["counts"].float()))
         acc = metrics["acc"].float().tolist()
         rec = {"step": step, "loss": float(metrics["loss"]), "acc": acc,
                "cond_acc": metrics["cond_acc"].float().tolist(), "tau_est": float(metrics["tau_est"]),

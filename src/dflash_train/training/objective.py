@@ -315,14 +315,22 @@ def blockwise_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, ch
 
 def acceptance_metrics(correct: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
     """correct, valid [A, B-1] -> acc [B-1] (plain per-position accuracy), cond_acc [B-1] (accuracy at k given all
-    earlier positions right), tau_est (1 + sum_k prod_{j<=k} cond_acc_j: the expected acceptance length)."""
+    earlier positions right), tau_est (1 + sum_k prod_{j<=k} cond_acc_j: the expected acceptance length), and the
+    counts they come from (`acceptance_counts`: sums over steps give the estimate of a whole log window)."""
     validf = valid.float()
-    acc = (correct & valid).float().sum(0) / validf.sum(0).clamp_min(1.0)
-    run = torch.cumprod((correct & valid).float(), dim=1)                   # all right up to k
+    right = (correct & valid).float()
+    run = torch.cumprod(right, dim=1)                                       # all right up to k
     prev = torch.cat([torch.ones_like(run[:, :1]), run[:, :-1]], dim=1)     # all right before k
-    cond = run.sum(0) / (prev * validf).sum(0).clamp_min(1.0)
-    tau = 1.0 + torch.cumprod(cond, dim=0).sum()
-    return {"acc": acc, "cond_acc": cond, "tau_est": tau}
+    counts = torch.stack([right.sum(0), validf.sum(0), run.sum(0), (prev * validf).sum(0)])   # [4, B-1]
+    return dict(acceptance_from_counts(counts), counts=counts)
+
+
+def acceptance_from_counts(counts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """counts [4, B-1] = (right, labelled, all right up to k, all right before k and labelled), summed over any
+    number of blocks -> acc, cond_acc, tau_est (see acceptance_metrics)."""
+    acc = counts[0] / counts[1].clamp_min(1.0)
+    cond = counts[2] / counts[3].clamp_min(1.0)
+    return {"acc": acc, "cond_acc": cond, "tau_est": 1.0 + torch.cumprod(cond, dim=0).sum()}
 
 
 def draft_hidden(drafter: DFlashDrafter, embed_w: torch.Tensor, feats: torch.Tensor, input_ids, position_ids,

@@ -26,7 +26,7 @@ from .objective import default_gamma, dflash_loss
 
 configure_cudagraphs()  # trees off, donated buffers off: before any compile (see training/cudagraphs.py)
 
-METRIC_KEYS = ("loss", "acc", "cond_acc", "tau_est", "num_labels")
+METRIC_KEYS = ("loss", "acc", "cond_acc", "tau_est", "num_labels", "counts")
 
 
 def resolve_compile_mode(mode: str, device: torch.device) -> str:

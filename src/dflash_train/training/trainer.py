@@ -17,7 +17,7 @@ from ..models.build import init_output_norm
 from ..models.target import load_target
 from .budget import TimeBudget
 from .checkpointing import CheckpointManager, resume_point
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, StepWindow
 from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
 from .run import RunSetup, build_run
@@ -59,22 +59,24 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
                            start_step=start_step)
     step = start_step
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
+    window = StepWindow()  # the steps since the last log line
     budget = TimeBudget(cfg.train.max_minutes)  # the clock starts with the first step
     logger.budget = budget
     try:
         for batch in setup.schedule.iter_from(start_step):
             b = batch.to(device)
             feats = target.features(b.input_ids, b.position_ids, b.doc_ids)
-            metrics = step_fn(b, feats)
+            window.add(step_fn(b, feats))
             update(step + 1)
             step += 1
             if logger.should_log(step):
-                logger.log(step, metrics, scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
+                logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
                 ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
             if budget.should_stop(step):
-                if not logger.should_log(step):  # the last step's metrics belong in the log and the plots
-                    logger.log(step, metrics, scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
+                if not logger.should_log(step):  # the last window's metrics belong in the log and the plots
+                    logger.log(step, window.take(), scheduler.get_last_lr()[0],
+                               extra={"skipped": update.skipped(step)})
                 break
         ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
         final = save_drafter(drafter, setup.out_dir / "drafter")
