@@ -19,7 +19,7 @@ from harness import (Context, CudagraphSkipLog, Row, Skip, Timer, benchmark, com
 from dflash_train.config import TrainConfig
 from dflash_train.data.packing import Sample, make_batch, pack_samples
 from dflash_train.models.drafter import DFlashDrafter, build_drafter_config
-from dflash_train.models.target import TargetInfo, TargetModel, default_layer_ids
+from dflash_train.models.target import GraphedFeatures, TargetInfo, TargetModel, default_layer_ids
 from dflash_train.training.flops import drafter_step_flops, target_forward_flops, visible_pairs
 from dflash_train.training.objective import block_layout, default_gamma, dense_block_mask, position_weights, sdpa_attend
 from dflash_train.training.optim import Updater, build_optimizer, build_scheduler
@@ -311,6 +311,16 @@ def bench_target(ctx: Context):
             target.hf.model(input_ids=ids[None], position_ids=pos[None], use_cache=False)
         return measure(fwd, T_max, T_max * T_max / 2)
     ctx.variant("target", "eager, causal only (ceiling: ignores documents)", f"T={T_max}", causal_only, cost_s=15)
+
+    def graphed():
+        """model.target_graphs: the document-mask forward captured once as a CUDA graph and replayed (plus the
+        row's copies in and the features' copy out, as the pipeline's target worker runs it)."""
+        if dev.type != "cuda":
+            raise Skip("CUDA graphs need a CUDA device")
+        target, ids, pos, doc, row = inputs(T_max)
+        fn = GraphedFeatures(target, T_max, graphs=True)
+        return measure(lambda i: fn(ids, pos, doc), T_max, causal_pairs(row.doc_ids))
+    ctx.variant("target", "CUDA graph (document mask; model.target_graphs)", f"T={T_max}", graphed, cost_s=20)
 
     for T in s.target_compile_seqs:
         def compiled(T=T):

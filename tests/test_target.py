@@ -71,6 +71,35 @@ def test_flex_target_attention_is_exact(tiny_target):
     assert_features_alone(sdpa, docs, packed)  # alone through sdpa: one flex compile (one shape) per test
 
 
+def test_graphed_features_reuse_static_buffers_and_hand_out_copies(tiny_target):
+    """model.target_graphs' wrapper (eager here; captured on CUDA): rows copied into static buffers give the plain
+    forward's features, each call's result survives the next call, and a row of another length is refused."""
+    from dflash_train.models.target import GraphedFeatures
+
+    t = load_target(tiny_target, [1, 3])
+    rows = [pack_samples(random_docs(lens, seed=i), 32)[0] for i, lens in enumerate([(7, 11, 5), (20, 12), (32,)])]
+    fn = GraphedFeatures(t, 32, graphs=False)
+    outs = [fn(r.input_ids, r.position_ids, r.doc_ids) for r in rows]
+    for r, out in zip(rows, outs):
+        torch.testing.assert_close(out, t.features(r.input_ids, r.position_ids, r.doc_ids))
+    with pytest.raises(ValueError, match="captured at 32"):
+        fn(torch.zeros(16, dtype=torch.long), torch.arange(16), torch.zeros(16, dtype=torch.long))
+    with pytest.raises(ValueError, match="sdpa"):
+        GraphedFeatures(load_target(tiny_target, [1, 3], attention="flex"), 32, graphs=False)
+
+
+def test_target_graphs_config_errors_are_one_sentence(tiny_llama, tmp_path, capsys):
+    from dflash_train.cli import main
+    from dflash_train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="target_graphs=true needs model.target_attention=sdpa"):
+        load_config(None, ["model.target_graphs=true", "model.target_attention=flex"])
+    code = main(["train", "--config", "tiny_cpu", f"model.target={tiny_llama}", f"run.out_dir={tmp_path}/r",
+                 "model.target_graphs=true", "train.max_steps=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "needs CUDA target devices" in err[0], err
+
+
 def test_flex_target_refuses_the_inference_path(tiny_llama):
     t = load_target(tiny_llama, [1], truncate=False, attention="flex")
     with pytest.raises(RuntimeError, match="attention='sdpa'"):

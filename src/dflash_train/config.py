@@ -47,8 +47,15 @@ class ModelConfig:
                                        "BlockMask that skips empty tiles; exact, the intended GPU default once "
                                        "measured) | auto (flex on CUDA, sdpa on CPU). Evaluation and regeneration "
                                        "always use sdpa.")
+    target_graphs: bool = _f(False, "Capture the target's feature forward of a token_budget row as one CUDA graph and "
+                                    "replay it: a target step becomes one launch instead of a Python forward (small "
+                                    "targets, several target threads in one process). CUDA and "
+                                    "target_attention=sdpa only. Off until measured on a GPU (docs/BENCHMARKS.md).")
 
     def __post_init__(self):
+        if self.target_graphs and self.target_attention != "sdpa":
+            raise ConfigError("model.target_graphs=true needs model.target_attention=sdpa (a flex BlockMask is built "
+                              "on the host per row and cannot be captured).")
         if self.target_attention not in ("sdpa", "flex", "auto"):
             raise ConfigError("model.target_attention must be one of sdpa, flex, auto "
                               f"(got {self.target_attention!r}).")

@@ -284,6 +284,34 @@ def load_target(target: str | None, layer_ids: list[int] | None = None, num_feat
     return TargetModel(hf, ids, truncate=truncate)
 
 
+class GraphedFeatures:
+    """`target.features` for rows of one length T, captured once as a CUDA graph and replayed (`graphs=True`), or
+    run eagerly (CPU, tests). The document mask is built inside the graph from doc_ids, so a row costs one launch
+    and three small copies instead of a Python forward through every layer. Each call returns a new tensor (copied
+    out of the graph's static output), so callers may queue it while the next row runs. sdpa attention only: a flex
+    BlockMask is built on the host per row."""
+
+    def __init__(self, target: TargetModel, T: int, graphs: bool):
+        from ..inference.cuda_graph import GraphedStep
+
+        if target.attention != "sdpa":
+            raise ValueError("GraphedFeatures needs a target with sdpa attention")
+        dev = target.device
+        self.T = T
+        self.ids = torch.zeros(T, dtype=torch.long, device=dev)
+        self.pos = torch.arange(T, device=dev)
+        self.docs = torch.zeros(T, dtype=torch.long, device=dev)
+        self.step = GraphedStep(lambda: target.features(self.ids, self.pos, self.docs), graphs)
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[0] != self.T:
+            raise ValueError(f"a row of {input_ids.shape[0]} tokens for a graph captured at {self.T}")
+        self.ids.copy_(input_ids, non_blocking=True)
+        self.pos.copy_(position_ids, non_blocking=True)
+        self.docs.copy_(doc_ids, non_blocking=True)
+        return self.step().clone()
+
+
 def target_config_info(target: str | None) -> TargetInfo:
     """Sizes of the target without loading its weights (reads config.json or the GGUF header)."""
     from transformers import AutoConfig

@@ -88,6 +88,9 @@ class _Pipeline:
         self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints)
         init, state = resume_point(cfg.run.resume, self.ckpt, self.run_setup.drafter)
         self.start_step = state["step"] if state else 0
+        if cfg.model.target_graphs and any(d.type != "cuda" for d in target_devices):
+            raise ConfigError("model.target_graphs=true needs CUDA target devices (CUDA graphs); set it to false "
+                              "on CPU.")
         targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d,
                                attention=cfg.model.target_attention) for d in target_devices]
         if state is None and not cfg.model.drafter_init:
@@ -120,7 +123,7 @@ class _Pipeline:
                                        inboxes[r], gradsync, self.guard, self.logger.should_log)
                          for r, d in enumerate(drafter_devices)]
         warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
-        self.targets = [TargetWorker(i, c, faults, t, d, batches, feats, warm)
+        self.targets = [TargetWorker(i, c, faults, t, d, batches, feats, warm, graphs=cfg.model.target_graphs)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]
         self.reporter = StepReporter(self.logger, self.ckpt, cfg.train.checkpoint_every, self.run_setup.total_steps,
                                      self.shard.global_replicas, batches, feats, self.targets, self.drafters)

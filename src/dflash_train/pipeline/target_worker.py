@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.packing import TrainBatch
-from ..models.target import TargetModel
+from ..models.target import GraphedFeatures, TargetModel
 from .devices import new_stream, record_event
 from .faults import FaultPlan, poison_
 from .worker import END_OF_DATA, RunControl, Worker
@@ -28,16 +28,21 @@ class FeatureItem:
 
 class TargetWorker(Worker):
     def __init__(self, index: int, control: RunControl, faults: FaultPlan, target: TargetModel,
-                 device: torch.device, inbox: queue.Queue, out: queue.Queue, warmup: TrainBatch):
+                 device: torch.device, inbox: queue.Queue, out: queue.Queue, warmup: TrainBatch,
+                 graphs: bool = False):
         super().__init__(f"target{index}", control, device)
         self.faults, self.target, self.inbox, self.out, self.warmup = faults, target, inbox, out, warmup
+        self.graphs = graphs  # model.target_graphs: one CUDA graph per row instead of a Python forward
         self.stream = new_stream(device)  # its own stream: overlaps a drafter sharing the GPU
+        self.forward = target.features
 
     def _features(self, batch: TrainBatch) -> torch.Tensor:
         b = batch.to(self.device, non_blocking=True)
-        return self.target.features(b.input_ids, b.position_ids, b.doc_ids)  # [T, k*H]
+        return self.forward(b.input_ids, b.position_ids, b.doc_ids)  # [T, k*H]
 
     def setup(self) -> None:
+        if self.graphs:  # captured here, in this thread, on this worker's stream and device
+            self.forward = GraphedFeatures(self.target, self.warmup.input_ids.shape[0], graphs=True)
         # One forward of the real shapes: lazy CUDA/library initialisation happens here, not in the first step.
         self._features(self.warmup)
 
