@@ -44,7 +44,9 @@ class GraphedStep:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
+        # thread_local: another thread's allocation or pinned-memory call (regeneration replicas, the pipeline's
+        # loader) during this capture must not invalidate it; the default 'global' mode would.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), torch.no_grad():
             self.out = fn()
 
     @torch.no_grad()
