@@ -124,6 +124,35 @@ def test_a_failing_replica_stops_regeneration_and_is_named(chat_target, tmp_path
     assert 0 < len(written) < 40 and len({r["id"] for r in written}) == len(written)  # the finished ones, once
 
 
+def test_sigterm_stops_regeneration_after_its_batch_and_a_rerun_resumes(chat_target, tmp_path):
+    """A time limit's SIGTERM: the batch in flight is written, the summary printed, exit 0; the rerun finishes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = write_chats(tmp_path / "chats.jsonl", 60, turns=1)
+    out = tmp_path / "regen.jsonl"
+    cmd = [sys.executable, "-m", "dflash_train.cli", "regenerate", "--target", chat_target, "--data", str(data),
+           "--out", str(out), "--max-new-tokens", "8", "--batch-size", "2", "--device", "cpu"]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not (out.is_file() and out.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert "stopped by SIGTERM" in stdout and "rerun the same command to resume" in stdout
+    first = _records(out)                                  # every line whole
+    assert 2 <= len(first) < 60
+    assert main(cmd[3:]) == 0
+    ids = [r["id"] for r in _records(out)]
+    assert len(ids) == len(set(ids)) == 60
+
+
 def test_regenerate_single_turn_and_too_long(chat_target, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl", 4, turns=3)
     out = tmp_path / "regen.jsonl"

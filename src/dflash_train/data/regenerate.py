@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import json
 import logging
+import signal
 import threading
 import time
 import traceback
@@ -278,14 +279,16 @@ class Regenerator:
 
 def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversation, bool]], out_path: str | Path,
                        settings: RegenerateSettings, batch_size: int, total: int | None = None,
-                       replace_mismatch: bool = False, graphs: bool | None = None) -> RegenerateStats:
+                       replace_mismatch: bool = False, graphs: bool | None = None,
+                       stop: threading.Event | None = None) -> RegenerateStats:
     """Regenerate `items` ((id, conversation, regenerate?) in order) into out_path (JSONL, appended, resumable).
 
     models: one HF causal LM, or a list of replicas (one per device). Several replicas each run a Regenerator in
     a thread on their own device, drawing conversations from one shared iterator (a free replica takes the next
     ones: no fixed shards to wait for); records are written as they finish, so the file's order then interleaves
     the devices (readers key on the id). A replica that fails stops the others before their next batch, and the
-    error names its device."""
+    error names its device. A set `stop` (a signal, see the CLI) ends every replica before its next batch: what
+    was written stays, and a rerun resumes after it."""
     from ..inference.benchmark import stop_token_ids
 
     models = list(models) if isinstance(models, (list, tuple)) else [models]
@@ -322,18 +325,19 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
 
         # Flushed after every batch: a crash loses at most the batch in flight (and read_done_ids drops a cut line).
         if len(regens) == 1:
-            regens[0].run(todo(), write, flush, stats, bar)
+            regens[0].run(todo(), write, flush, stats, bar, stop)
         else:
-            _run_replicas(regens, todo(), write, flush, stats, bar)
+            _run_replicas(regens, todo(), write, flush, stats, bar, stop or threading.Event())
     stats.seconds = time.perf_counter() - t0
     log.info(stats.line())
     return stats
 
 
 def _run_replicas(regens: list[Regenerator], items: Iterator, write, flush, stats: RegenerateStats,
-                  bar: tqdm) -> None:
-    """One thread per replica over a shared iterator; per-replica stats summed into `stats`."""
-    source_lock, stop = threading.Lock(), threading.Event()
+                  bar: tqdm, stop: threading.Event) -> None:
+    """One thread per replica over a shared iterator; per-replica stats summed into `stats`. `stop` ends them all
+    before their next batch (set by a failing replica, or by the caller)."""
+    source_lock = threading.Lock()
     failures: list[tuple[str, BaseException, str]] = []
     parts = [RegenerateStats() for _ in regens]
 
@@ -468,11 +472,47 @@ def run_regenerate_cli(args) -> int:
     tokenizer = load_tokenizer(args.target)
     models = [load_generation_model(args.target, d) for d in devices]
     counts: Counter = Counter()
-    stats = regenerate_dataset(models, tokenizer, _select(args.data, args.max_samples, counts), out_path, settings,
-                               args.batch_size, total=args.max_samples)
+    with stop_on_signals() as stopped:
+        stats = regenerate_dataset(models, tokenizer, _select(args.data, args.max_samples, counts), out_path,
+                                   settings, args.batch_size, total=args.max_samples, stop=stopped.event)
     skipped = {k.removeprefix("skip:"): n for k, n in counts.items() if k.startswith("skip:")}
     if skipped:
         log.info("source records skipped as unusable: " + ", ".join(f"{k}={n}" for k, n in sorted(skipped.items())))
     print(stats.line())
+    if stopped.name:
+        print(f"stopped by {stopped.name}: {out_path} holds every finished conversation; rerun the same command to "
+              "resume")
+        return 0 if stopped.name == "SIGTERM" else 130
     print(f"wrote {out_path} (train on it with data.source={out_path})")
     return 0
+
+
+@dataclass
+class _Signals:
+    event: threading.Event = field(default_factory=threading.Event)
+    name: str | None = None   # the first signal received
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGINT/SIGTERM -> stop after the batches in flight (their conversations are written); a second one stops at
+    once (KeyboardInterrupt). Main thread only (elsewhere: no handlers, nothing to stop)."""
+    state = _Signals()
+    if threading.current_thread() is not threading.main_thread():
+        yield state
+        return
+
+    def handler(signum, _frame):
+        name = signal.Signals(signum).name
+        if state.name is not None:
+            raise KeyboardInterrupt(f"second {name}: stopped at once")
+        state.name = name
+        state.event.set()
+        log.warning(f"{name}: stopping after the current batch, which is written first (again to stop at once)")
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield state
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
