@@ -6,7 +6,8 @@
 # files): train_chats.jsonl(.gz), every ShareGPT record but the 32 held out, replies to regenerate, and
 # eval_prompts.jsonl(.gz). Each stage has its own time limit; logs and results go to $OUT.
 #   smollm2    one GPU end to end: regenerate first turns (130 s), train, evaluate
-#   regen4     regenerate every reply, one shard per visible GPU in parallel (REGEN_S seconds, resumable)
+#   regen4     regenerate every reply, one shard per visible GPU in parallel (REGEN_S seconds: then SIGTERM, which
+#              finishes the batch in flight and prints each shard's summary; resumable)
 #   train      train on /tmp/regen.jsonl on one GPU (STEPS, TRAIN_MIN; resumes the run in $RUN if it exists)
 #   evaluate   eval of $RUN's drafter on the held-out prompts: bf16 (tau, speedup) and fp32 (lossless verdict)
 set -u
@@ -19,7 +20,7 @@ stage() { echo; echo "=== $1 ($(date +%T))"; }
 smollm2() {
   stage "regenerate ShareGPT first turns with SmolLM2 (greedy, batched)"
   [ -f .gpu/data/train_chats.jsonl ] || gunzip -kf .gpu/data/train_chats.jsonl.gz
-  timeout 130 python3 -m dflash_train.cli regenerate --target "$GGUF" --data .gpu/data/train_chats.jsonl \
+  timeout -k 60 130 python3 -m dflash_train.cli regenerate --target "$GGUF" --data .gpu/data/train_chats.jsonl \
       --single-turn --out /tmp/regen.jsonl --max-samples "${REGEN_SAMPLES:-12000}" --max-new-tokens 256 \
       --batch-size 512 --device cuda 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -5
   wc -l /tmp/regen.jsonl
@@ -33,7 +34,7 @@ regen4() {
   local n; n=$(python3 -c "import torch; print(torch.cuda.device_count())")
   for i in $(seq 0 $((n - 1))); do
     awk -v n="$n" -v i="$i" 'NR % n == i' .gpu/data/train_chats.jsonl > /tmp/shard$i.jsonl
-    CUDA_VISIBLE_DEVICES=$i timeout "${REGEN_S:-240}" python3 -m dflash_train.cli regenerate --target "$GGUF" \
+    CUDA_VISIBLE_DEVICES=$i timeout -k 60 "${REGEN_S:-240}" python3 -m dflash_train.cli regenerate --target "$GGUF" \
         --data /tmp/shard$i.jsonl --out /tmp/regen$i.jsonl --max-new-tokens "${REGEN_NEW:-256}" \
         --max-length 2048 --batch-size "${REGEN_BATCH:-512}" --device cuda > /tmp/regen$i.log 2>&1 &
   done
