@@ -165,6 +165,19 @@ def test_a_failing_rank_stops_both_and_rank0_checkpoints_resume_exactly(referenc
     assert_same_weights(out / "drafter", reference.drafter_dir)
 
 
+def test_a_rank_failing_after_its_last_step_stops_the_other_in_the_final_check(tiny_llama, tmp_path):
+    """Between the last step and the end-of-training check a stopping rank speaks in that check's shape (not a step
+    all-reduce the other rank no longer waits in): both end non-zero, rank 0 naming rank 1."""
+    args = ["-m", "dflash_train.cli", "train", "--config", "tiny_cpu", f"model.target={tiny_llama}",
+            f"run.out_dir={tmp_path / 'run'}", *COMMON]
+    t0 = time.monotonic()
+    proc = torchrun(args, tmp_path, DFLASH_FAULT="coordinator:shutdown:raise", DFLASH_FAULT_RANK="1")
+    log = finish(proc, 90)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60, log[-6000:]
+    assert "InjectedFault: injected fault coordinator:shutdown:raise" in log, log[-6000:]
+    assert "PeerStopped: rank 1 failed; see its log" in log, log[-6000:]  # rank 0, in the final check
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -163,6 +163,13 @@ class DistributedSync:
             self._check([int(v) for v in values[1:]], status)
         return int(values[0]) - 1 if values[0] > 0 else None
 
+    def steps_done(self) -> None:
+        """This rank's last step all-reduce is done: the next collective is `bye`, so a rank that stops from now on
+        says so in bye's shape (every rank trains the same number of steps)."""
+        with self._lock:
+            if self.phase == "step":
+                self.phase = "bye"
+
     def bye(self, checksums: list[float], beat: Callable[[], None] | None = None) -> None:
         """After the last step: every rank finished, and all replicas everywhere hold the same weights.
         `checksums`: [final weights checksum, sum of the per-step checksums] of replica 0."""

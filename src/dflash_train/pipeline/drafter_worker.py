@@ -135,6 +135,8 @@ class DrafterWorker(Worker):
             if self.budget is not None and self.budget.should_stop(self.steps_done, decider=self.replica == 0):
                 break  # every replica stops after the same step (see training/budget.py)
         self.flush_checksums()
+        if self.replica == 0:
+            self.gradsync.finish()
 
     @property
     def skipped_steps(self) -> int:

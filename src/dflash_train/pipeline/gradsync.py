@@ -126,6 +126,11 @@ class GradAverager:
             self._mean_metrics = {k: v.clone() for k, v in self._metrics.items()}
         sync_event(record_event(device))  # the mean is complete before any replica reads it
 
+    def finish(self) -> None:
+        """Replica 0 ran its last step: the processes' next collective is the end-of-training check."""
+        if self.peers is not None:
+            self.peers.steps_done()
+
     def _cross_process(self, worker: Worker) -> None:
         """The one all-reduce of the step across processes. If this rank is stopping, its status goes out instead of
         a silent absence; if any rank stopped, the step does not count anywhere (Stopped)."""
