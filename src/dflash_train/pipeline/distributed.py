@@ -42,7 +42,7 @@ OK, FAILED, INTERRUPTED = 0, 1, 2  # what a rank says in its status slot
 FAULT_RANK_ENV_VAR = "DFLASH_FAULT_RANK"
 # What must agree between ranks, checked once at the gate (one float64 each, exact for integers below 2**53).
 GATE_KEYS = ("local replicas", "start step", "total steps", "gradient + metric size", "run config")
-_POLL_MAX_S = 0.01  # longest pause between two polls of a pending collective
+_POLL_MAX_S = 0.001  # longest pause between two polls of a pending collective (its delay on every step)
 
 
 class PeerStopped(RuntimeError):
