@@ -134,6 +134,21 @@ def test_run_written_before_a_config_field_existed_still_resumes(tmp_path):
         prepare_out_dir(changed)
 
 
+def test_only_the_owner_rank_checks_and_writes_the_run_config(tmp_path):
+    """Under torchrun a node may name its own paths: a non-owner rank neither refuses them nor rewrites rank 0's
+    run_config.yaml."""
+    from dflash_train.config import load_config
+    from dflash_train.training.run import RUN_CONFIG_NAME, prepare_out_dir
+
+    out = tmp_path / "run"
+    prepare_out_dir(load_config(None, [f"run.out_dir={out}", "data.source=synthetic", "model.target=/node0/m"]))
+    written = (out / RUN_CONFIG_NAME).read_text()
+    node1 = load_config(None, [f"run.out_dir={out}", "data.source=synthetic", "model.target=/node1/m"])
+    assert prepare_out_dir(node1, owner=False) == out and (out / RUN_CONFIG_NAME).read_text() == written
+    with pytest.raises(ConfigError, match="already holds a different run"):
+        prepare_out_dir(node1)
+
+
 def test_device_side_skip_matches_the_host_decision(caplog):
     """With fused AdamW (CUDA; fused also runs on CPU, which this test uses) the non-finite skip is decided on the
     device: same weights, moments and step counts as the host decision, the count read only when asked for."""

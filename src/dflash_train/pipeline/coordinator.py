@@ -73,18 +73,19 @@ def train_pipeline(cfg: Config) -> PipelineResult:
         target_devices, drafter_devices = resolve_pipeline_devices(cfg.pipeline)
         peers.use_device(drafter_devices[0])
         faults = FaultPlan.from_env() if faults_apply_here() else FaultPlan([])
-        out = prepare_out_dir(cfg)
+        out = prepare_out_dir(cfg, owner=peers.is_rank0)
         log_name = "run.log" if peers.is_rank0 else f"run.rank{peers.rank}.log"
         # The processes of one node share its cores as well.
         with run_log_file(out, log_name), cpu_thread_budget((target_devices + drafter_devices) * peers.local_world):
-            return _Pipeline(cfg, target_devices, drafter_devices, faults, peers).run()
+            return _Pipeline(cfg, target_devices, drafter_devices, faults, peers, out).run()
 
 
 class _Pipeline:
-    def __init__(self, cfg: Config, target_devices, drafter_devices, faults: FaultPlan, peers: DistributedSync):
+    def __init__(self, cfg: Config, target_devices, drafter_devices, faults: FaultPlan, peers: DistributedSync,
+                 out_dir: Path):
         self.cfg, self.n, self.peers = cfg, len(drafter_devices), peers
         self.shard = DataShard(self.n, peers.rank, peers.world)
-        self.run_setup = build_run(cfg, batches_per_step=self.shard.global_replicas)
+        self.run_setup = build_run(cfg, batches_per_step=self.shard.global_replicas, out_dir=out_dir)
         self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints)
         init, state = resume_point(cfg.run.resume, self.ckpt, self.run_setup.drafter)
         self.start_step = state["step"] if state else 0

@@ -54,9 +54,14 @@ def _with_defaults(saved: dict) -> dict:
     return full
 
 
-def prepare_out_dir(cfg: Config) -> Path:
-    """Create the run directory; refuse to mix two different runs in one directory."""
+def prepare_out_dir(cfg: Config, owner: bool = True) -> Path:
+    """Create the run directory; the owner (rank 0 of a torchrun launch) refuses to mix two different runs in one
+    directory and writes run_config.yaml. Other ranks may name per-node paths (model.target, data.source, devices)
+    that differ from rank 0's; what must agree is checked by the start gate (pipeline/distributed.py)."""
     out = Path(cfg.run.out_dir)
+    if not owner:
+        out.mkdir(parents=True, exist_ok=True)
+        return out
     saved = out / RUN_CONFIG_NAME
     if saved.is_file() and not cfg.run.overwrite:
         old = yaml.safe_load(saved.read_text()) or {}
@@ -64,7 +69,7 @@ def prepare_out_dir(cfg: Config) -> Path:
             raise ConfigError(f"{out} already holds a different run; choose another run.out_dir, or pass "
                               "run.overwrite=true to train over it.")
     out.mkdir(parents=True, exist_ok=True)
-    # Written whole, then renamed: the processes of a torchrun launch all do this, and none may read a partial file.
+    # Written whole, then renamed: a reader never sees a partial file.
     fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{RUN_CONFIG_NAME}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -72,8 +77,9 @@ def prepare_out_dir(cfg: Config) -> Path:
     return out
 
 
-def build_run(cfg: Config, batches_per_step: int = 1) -> RunSetup:
-    out = prepare_out_dir(cfg)
+def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = None) -> RunSetup:
+    """out_dir: already made by prepare_out_dir (else made here)."""
+    out = out_dir or prepare_out_dir(cfg)
     torch.manual_seed(cfg.train.seed)
     synthetic = cfg.data.source == "synthetic"
     info = target_config_info(cfg.model.target)
