@@ -13,14 +13,16 @@ from pathlib import Path
 
 import torch
 
+from .objective import acceptance_from_counts
+
 log = logging.getLogger("dflash_train")
 
 
 class StepWindow:
     """The metrics of every step since the last log step, summed on the device (no host sync): a log line reports
-    its whole window, not the one batch that happens to end it. take() -> the window's metrics, with the keys a
-    step returns: loss = mean over the steps, acc / cond_acc / tau_est from the summed acceptance counts (so the
-    estimate averages every block of the window), counts and num_labels = sums."""
+    its whole window, not the one batch that happens to end it. take() -> the window's metrics: loss = mean over
+    the steps, counts and num_labels = sums (the keys a step returns, so replicas average them as they are), and
+    acc / cond_acc / tau_est from the summed acceptance counts (the estimate averages every block of the window)."""
 
     def __init__(self):
         self._sum: dict[str, torch.Tensor] | None = None
@@ -37,8 +39,6 @@ class StepWindow:
     def take(self) -> dict[str, torch.Tensor]:
         if self._sum is None:
             raise RuntimeError("no step in this log window")
-        from .objective import acceptance_from_counts
-
         out = dict(self._sum, loss=self._sum["loss"] / self._steps)
         out.update(acceptance_from_counts(out["counts"]))
         self._sum, self._steps = None, 0
@@ -77,9 +77,8 @@ class MetricsLogger:
         steps = max(1, step - self._last_step)
         dt = (now - self._last_t) / steps
         self._last_t, self._last_step = now, step
-        if "counts" in metrics:  # replicas' windows averaged count by count: the ratios follow from the counts
-            from .objective import acceptance_from_counts
-            metrics = dict(metrics, **acceptance_from_counts(metrics["counts"].float()))
+        # Replicas' windows arrive averaged count by count (the ratios are not averaged): derive the ratios here.
+        metrics = dict(metrics, **acceptance_from_counts(metrics["counts"].float()))
         acc = metrics["acc"].float().tolist()
         rec = {"step": step, "loss": float(metrics["loss"]), "acc": acc,
                "cond_acc": metrics["cond_acc"].float().tolist(), "tau_est": float(metrics["tau_est"]),

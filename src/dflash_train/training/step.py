@@ -26,7 +26,9 @@ from .objective import default_gamma, dflash_loss
 
 configure_cudagraphs()  # trees off, donated buffers off: before any compile (see training/cudagraphs.py)
 
-METRIC_KEYS = ("loss", "acc", "cond_acc", "tau_est", "num_labels", "counts")
+# What a step hands back: summed over a log window (metrics.StepWindow) and averaged over replicas at log steps; the
+# acceptance ratios (acc@k, tau estimate) are derived from the summed counts only when a line is logged.
+METRIC_KEYS = ("loss", "num_labels", "counts")
 
 
 def resolve_compile_mode(mode: str, device: torch.device) -> str:
