@@ -63,7 +63,7 @@ def local_embedded_target(cache_root: Path) -> Path:
     """The embedded GGUF as a Hugging Face directory (fp32 safetensors + tokenizer), converted once."""
     from transformers import AutoModelForCausalLM
 
-    from .models.target import load_target, load_tokenizer
+    from .models.target import load_causal_lm, load_tokenizer
 
     dest = cache_root / HF_CACHE_NAME
     if (dest / "config.json").is_file() and (dest / "tokenizer.json").is_file():
@@ -72,7 +72,7 @@ def local_embedded_target(cache_root: Path) -> Path:
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tokenizer = load_tokenizer(None)
-    gguf = load_target(None, [0], device="cpu", dtype=torch.float32, truncate=False).hf
+    gguf = load_causal_lm(None, "cpu", torch.float32)
     # transformers refuses to save a model loaded from GGUF ("quantized with gguf"): the same weights, already
     # dequantized, go into a plain model of the same config instead (logits identical, checked in the tests).
     config = copy.deepcopy(gguf.config)
@@ -146,7 +146,7 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
              overrides: list[str] = ()) -> DemoResult:
     from .inference.benchmark import evaluate, stop_token_ids
     from .inference.report import write_report
-    from .models.build import build_drafter
+    from .models.build import build_drafter, init_output_norm
     from .models.checkpoint import load_drafter
     from .models.target import load_target, load_tokenizer, target_config_info
     from .pipeline.coordinator import train_pipeline
@@ -163,6 +163,8 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
     torch.manual_seed(cfg.train.seed)
     init = build_drafter(cfg.model, target_config_info(cfg.model.target), tokenizer)
     target = load_target(cfg.model.target, init.config.target_layer_ids, device=dev, truncate=False)
+    if not cfg.model.drafter_init:  # as training starts a fresh drafter (its output gain from the frozen head)
+        init_output_norm(init, target.lm_head.weight)
     stop_ids = stop_token_ids(target.hf, tokenizer)
     phases = {"setup": time.perf_counter() - t_start}
 

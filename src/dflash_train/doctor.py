@@ -274,8 +274,9 @@ def run_doctor_cli(args) -> int:
     import logging
 
     verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
-    device = torch.device(args.device if args.device != "auto" else
-                          ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    from .devices import parse_device
+
+    device = parse_device(args.device, "--device")
     t0 = time.perf_counter()
     print("dflash-train doctor", flush=True)
     checks, mode, can_step = environment_checks(args.compile, device)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import json
 import logging
 import signal
@@ -76,6 +77,14 @@ class RegenerateStats:
     generated_tokens: int = 0
     seconds: float = 0.0
     dropped: Counter = field(default_factory=Counter)  # reason -> conversations not written
+
+    def add(self, other: "RegenerateStats") -> None:
+        """Add another replica's counts (the ones a replica's run writes; seconds and already_done are the caller's)."""
+        self.conversations += other.conversations
+        self.copied += other.copied
+        self.turns += other.turns
+        self.generated_tokens += other.generated_tokens
+        self.dropped.update(other.dropped)
 
     def line(self) -> str:
         s = max(self.seconds, 1e-9)
@@ -177,10 +186,10 @@ class Regenerator:
     generates the next reply of up to batch_size conversations, so multi-turn chats never hold a batch half empty
     while new conversations are waiting. lookahead: batches per sorted pool (1 = batches in arrival order)."""
 
-    def __init__(self, hf, tokenizer, settings: RegenerateSettings, batch_size: int, stop_ids, graphs=None,
+    def __init__(self, hf, tokenizer, settings: RegenerateSettings, batch_size: int, stop_ids,
                  lookahead: int = LOOKAHEAD_BATCHES):
         self.hf, self.tokenizer, self.settings, self.batch_size = hf, tokenizer, settings, batch_size
-        self.stop_ids, self.graphs, self.lookahead = list(stop_ids), graphs, max(1, lookahead)
+        self.stop_ids, self.lookahead = list(stop_ids), max(1, lookahead)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         device = hf.get_input_embeddings().weight.device
         self.generator = (torch.Generator(device=device).manual_seed(settings.seed)
@@ -200,8 +209,9 @@ class Regenerator:
 
         if self._generator is None or self._generator.runner.max_len < slots_needed:
             self._generator = None  # free the smaller cache (and its graphs) before allocating the larger one
+            gc.collect()            # a runner and its captured steps reference each other: only gc frees them
             slots = cache_slots(slots_needed, self.settings.max_length)
-            self._generator = BatchGenerator(self.hf, self.batch_size, slots, self.graphs)
+            self._generator = BatchGenerator(self.hf, self.batch_size, slots)
         return self._generator
 
     def run(self, items: Iterable[tuple[str, Conversation, bool]], write, flush, stats: RegenerateStats,
@@ -279,7 +289,7 @@ class Regenerator:
 
 def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversation, bool]], out_path: str | Path,
                        settings: RegenerateSettings, batch_size: int, total: int | None = None,
-                       replace_mismatch: bool = False, graphs: bool | None = None,
+                       replace_mismatch: bool = False,
                        stop: threading.Event | None = None) -> RegenerateStats:
     """Regenerate `items` ((id, conversation, regenerate?) in order) into out_path (JSONL, appended, resumable).
 
@@ -300,8 +310,8 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
     stats = RegenerateStats()
     stop_ids = stop_token_ids(models[0], tokenizer)
     # Tokenizers are not safe to share between threads: every extra replica gets its own copy.
-    regens = [Regenerator(hf, tokenizer if i == 0 else copy.deepcopy(tokenizer), settings, batch_size, stop_ids,
-                          graphs) for i, hf in enumerate(models)]
+    regens = [Regenerator(hf, tokenizer if i == 0 else copy.deepcopy(tokenizer), settings, batch_size, stop_ids)
+              for i, hf in enumerate(models)]
     t0 = time.perf_counter()
     lock = threading.Lock()
     with open(out_path, "a", encoding="utf-8") as f, \
@@ -365,11 +375,7 @@ def _run_replicas(regens: list[Regenerator], items: Iterator, write, flush, stat
     for t in threads:
         t.join()
     for p in parts:
-        stats.conversations += p.conversations
-        stats.copied += p.copied
-        stats.turns += p.turns
-        stats.generated_tokens += p.generated_tokens
-        stats.dropped.update(p.dropped)
+        stats.add(p)
     if failures:
         device, exc, tb = failures[0]
         if isinstance(exc, UserError):  # the user's to fix: one sentence, as on one device
@@ -390,9 +396,9 @@ def _select(source: str, max_samples: int | None, counts: Counter) -> Iterator[t
 
 def load_generation_model(target: str | None, device: torch.device):
     """The whole target as a plain HF causal LM (bf16 on GPU, fp32 on CPU)."""
-    from ..models.target import load_target
+    from ..models.target import load_causal_lm
 
-    return load_target(target, [0], device=device, truncate=False).hf
+    return load_causal_lm(target, device)
 
 
 def regenerate_for_run(cfg, out_dir: Path, tokenizer):
@@ -430,6 +436,7 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=64 if cuda else 8,
                        total=total, replace_mismatch=cfg.run.overwrite)
     del models
+    gc.collect()  # the runners' reference cycles hold the models, caches and graph pools until collected
     if cuda:
         torch.cuda.empty_cache()
     return dataclasses.replace(d, source=str(out_path), regenerate=False)

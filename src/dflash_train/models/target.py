@@ -259,13 +259,10 @@ class TargetModel(nn.Module):
         return out.logits, feats
 
 
-def load_target(target: str | None, layer_ids: list[int] | None = None, num_feature_layers: int = 5,
-                device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                truncate: bool = True, attention: str = "sdpa") -> TargetModel:
-    """Load the frozen target from a local directory or GGUF file onto `device` (bf16 on GPU, fp32 on CPU).
-
-    attention: how features() masks packed documents, sdpa | flex | auto (module docstring). The inference path
-    (forward_with_cache) builds its own dense masks and needs 'sdpa'."""
+def load_causal_lm(target: str | None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                   attention: str = "sdpa"):
+    """The plain HF causal LM of `target` (a directory or GGUF file; None = the embedded default) on `device`, bf16
+    on GPU and fp32 on CPU unless `dtype`. No taps: for generation and conversion (load_target wraps it)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_target_path(target)
@@ -278,7 +275,17 @@ def load_target(target: str | None, layer_ids: list[int] | None = None, num_feat
         hint = ("; if transformers has no flex attention for this architecture, set model.target_attention=sdpa"
                 if attention == "flex" else "")
         raise TargetError(f"Could not load a causal LM from {str(path)!r}: {type(e).__name__}: {e}{hint}") from e
-    hf.to(device)
+    return hf.to(device).eval()
+
+
+def load_target(target: str | None, layer_ids: list[int] | None = None, num_feature_layers: int = 5,
+                device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                truncate: bool = True, attention: str = "sdpa") -> TargetModel:
+    """Load the frozen target from a local directory or GGUF file onto `device` (bf16 on GPU, fp32 on CPU).
+
+    attention: how features() masks packed documents, sdpa | flex | auto (module docstring). The inference path
+    (forward_with_cache) builds its own dense masks and needs 'sdpa'."""
+    hf = load_causal_lm(target, device, dtype, attention)
     n = hf.config.num_hidden_layers
     ids = list(layer_ids) if layer_ids else default_layer_ids(n, num_feature_layers)
     return TargetModel(hf, ids, truncate=truncate)

@@ -60,7 +60,7 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
     step = start_step
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     window = StepWindow()  # the steps since the last log line
-    budget = TimeBudget(cfg.train.max_minutes)  # the clock starts with the first step
+    budget = TimeBudget(cfg.train.max_minutes)  # the clock starts here; this loop compiles inside its first step
     logger.budget = budget
     try:
         for batch in setup.schedule.iter_from(start_step):
@@ -69,14 +69,12 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
             window.add(step_fn(b, feats))
             update(step + 1)
             step += 1
-            if logger.should_log(step):
+            stop = budget.should_stop(step)
+            if logger.should_log(step) or stop:  # a time-budget stop logs its last window too (log, plots)
                 logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
                 ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
-            if budget.should_stop(step):
-                if not logger.should_log(step):  # the last window's metrics belong in the log and the plots
-                    logger.log(step, window.take(), scheduler.get_last_lr()[0],
-                               extra={"skipped": update.skipped(step)})
+            if stop:
                 break
         ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
         final = save_drafter(drafter, setup.out_dir / "drafter")
