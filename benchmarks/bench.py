@@ -179,11 +179,12 @@ def derive_ratios(rows) -> dict:
     colo = _row(rows, "colocated", "target")
     if colo:
         t = _row(rows, "target", "eager (document mask)", f"T={colo.shape.split()[0][2:]}")
-        d = max(drafter_ok, key=lambda r: r.mfu) if drafter_ok else None
+        d = _row(rows, "drafter", "compile reduce-overhead")  # the drafter variant colocated runs
         if t and d:   # sequential: the ideal is 1 / (1/target + 1/drafter), each stage's time alone added up
             ideal = 1.0 / (1.0 / t.tokens_per_s + 1.0 / d.tokens_per_s)
             out["colocated tokens/s vs stages alone back to back"] = colo.tokens_per_s / ideal
-    before, now = _row(rows, "generate", "arrival order, whole cache"), _row(rows, "generate", "length-sorted")
+    before = _row(rows, "generate", "arrival order, whole cache")
+    now = _row(rows, "generate", "sorted pools, windowed, packed GQA")
     if before and now:
         out["generate: regenerate now vs before (tokens/s)"] = now.tokens_per_s / before.tokens_per_s
     out.update(pipeline_ratios([r for r in rows if r.bench == "pipeline" and r.status == "ok" and r.tokens_per_s],
@@ -206,7 +207,7 @@ def pipeline_ratios(rows, colo) -> dict:
         if "scaling_efficiency" in r.extra:
             n = int(layout.split("+")[1])
             out[f"pipeline {name} scaling efficiency: tokens/s / ({n} x tokens/s of 1+1)"] = r.extra["scaling_efficiency"]
-        if colo:
+        if colo and layout:   # pipeline rows only, not the stages-alone row
             out[f"pipeline ({r.variant}) vs colocated"] = r.tokens_per_s / colo.tokens_per_s
         if layout:
             gpus = 1 if layout == "shared" else sum(int(x) for x in layout.split("+"))

@@ -35,7 +35,7 @@ def main() -> None:
     with open_source("sharegpt") as path:
         convs = list(iter_conversations(path, counts))
     keys = list(dict.fromkeys(c.key for c in convs))
-    held_keys = set(keys[-args.eval:])
+    held_keys = set(keys[len(keys) - args.eval:])  # (keys[-0:] would be all of them)
     train, held = [], {}
     for c in convs:
         if c.key in held_keys:
