@@ -34,7 +34,6 @@ import dataclasses
 import gc
 import json
 import logging
-import signal
 import threading
 import time
 import traceback
@@ -457,6 +456,7 @@ def parse_devices(spec: str) -> list[torch.device]:
 
 def run_regenerate_cli(args) -> int:
     from ..models.target import load_tokenizer
+    from ..pipeline.worker import RunControl, signal_exit_code, stop_on_signals
 
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be at least 1.")
@@ -479,47 +479,17 @@ def run_regenerate_cli(args) -> int:
     tokenizer = load_tokenizer(args.target)
     models = [load_generation_model(args.target, d) for d in devices]
     counts: Counter = Counter()
-    with stop_on_signals() as stopped:
+    control = RunControl()
+    with stop_on_signals(control, "the current batch, which is written first"):
         stats = regenerate_dataset(models, tokenizer, _select(args.data, args.max_samples, counts), out_path,
-                                   settings, args.batch_size, total=args.max_samples, stop=stopped.event)
+                                   settings, args.batch_size, total=args.max_samples, stop=control.stop)
     skipped = {k.removeprefix("skip:"): n for k, n in counts.items() if k.startswith("skip:")}
     if skipped:
         log.info("source records skipped as unusable: " + ", ".join(f"{k}={n}" for k, n in sorted(skipped.items())))
     print(stats.line())
-    if stopped.name:
-        print(f"stopped by {stopped.name}: {out_path} holds every finished conversation; rerun the same command to "
-              "resume")
-        return 0 if stopped.name == "SIGTERM" else 130
+    if control.interrupted:
+        print(f"stopped by {control.interrupted}: {out_path} holds every finished conversation; rerun the same "
+              "command to resume")
+        return signal_exit_code(control.interrupted)
     print(f"wrote {out_path} (train on it with data.source={out_path})")
     return 0
-
-
-@dataclass
-class _Signals:
-    event: threading.Event = field(default_factory=threading.Event)
-    name: str | None = None   # the first signal received
-
-
-@contextlib.contextmanager
-def stop_on_signals():
-    """SIGINT/SIGTERM -> stop after the batches in flight (their conversations are written); a second one stops at
-    once (KeyboardInterrupt). Main thread only (elsewhere: no handlers, nothing to stop)."""
-    state = _Signals()
-    if threading.current_thread() is not threading.main_thread():
-        yield state
-        return
-
-    def handler(signum, _frame):
-        name = signal.Signals(signum).name
-        if state.name is not None:
-            raise KeyboardInterrupt(f"second {name}: stopped at once")
-        state.name = name
-        state.event.set()
-        log.warning(f"{name}: stopping after the current batch, which is written first (again to stop at once)")
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield state
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -50,7 +49,7 @@ from .prefetch import Prefetcher
 from .reporter import StepReporter
 from .target_worker import TargetWorker
 from .worker import (THREAD_PREFIX, RunControl, RunInterrupted, Stopped, Watchdog, Worker, describe_failure,
-                     describe_stall)
+                     describe_stall, stop_on_signals)
 
 log = logging.getLogger("dflash_train")
 JOIN_TIMEOUT_S = 10.0  # after stop, every thread leaves its wait within POLL_S; only a hung kernel takes longer
@@ -146,7 +145,8 @@ class _Pipeline:
     # ------------------------------------------------------------------ run
     def run(self) -> PipelineResult:
         # Until the end: signals stop cleanly (a second one at once), the watchdog watches this thread.
-        with stop_on_signals(self.control), self.watchdog:
+        with stop_on_signals(self.control, "the current step to write a checkpoint", ", without a checkpoint"), \
+                self.watchdog:
             return self._run()
 
     def _run(self) -> PipelineResult:
@@ -332,26 +332,3 @@ def cpu_thread_budget(devices: list[torch.device]):
         yield
     finally:
         torch.set_num_threads(old)
-
-
-@contextmanager
-def stop_on_signals(control: RunControl):
-    """SIGINT/SIGTERM -> a clean stop (and a checkpoint); a second one interrupts at once, even mid-checkpoint.
-    Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, _frame):
-        name = signal.Signals(signum).name
-        if control.interrupted:  # the second signal aborts at once (threads are still stopped and joined)
-            raise KeyboardInterrupt(f"second {name}: stopped at once, without a checkpoint")
-        control.interrupt(name)
-        log.warning(f"{name}: stopping after the current step to write a checkpoint (again to stop at once)")
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)

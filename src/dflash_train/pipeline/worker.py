@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 import sys
 import threading
 import time
@@ -48,14 +49,19 @@ class _EndOfData:
 END_OF_DATA = _EndOfData()  # sentinel that flows down the queues after the last batch
 
 
+def signal_exit_code(signal_name: str) -> int:
+    """SIGTERM (a scheduler's polite stop, a time limit) ends the process normally, 0; SIGINT (Ctrl-C) keeps 130."""
+    return 0 if signal_name == "SIGTERM" else 130
+
+
 class RunInterrupted(KeyboardInterrupt):
-    """A signal stopped the run cleanly after a checkpoint; str() is the one-line summary. SIGTERM (a scheduler's
-    polite stop) is a normal end of the process, exit 0; SIGINT (Ctrl-C) keeps the shell's 130."""
+    """A signal stopped the run cleanly after a checkpoint; str() is the one-line summary, exit code as
+    signal_exit_code."""
 
     def __init__(self, signal_name: str, summary: str):
         super().__init__(summary)
         self.signal_name = signal_name
-        self.exit_code = 0 if signal_name == "SIGTERM" else 130
+        self.exit_code = signal_exit_code(signal_name)
 
 
 class RunControl:
@@ -80,6 +86,30 @@ class RunControl:
     def interrupt(self, why: str) -> None:
         self.interrupted = why
         self.stop.set()
+
+
+@contextmanager
+def stop_on_signals(control: RunControl, until: str, abandoned: str = ""):
+    """SIGINT/SIGTERM -> control.interrupt(name): a clean stop after `until` (e.g. "the current step to write a
+    checkpoint"); a second signal raises KeyboardInterrupt at once ("second SIGINT: stopped at once" + `abandoned`),
+    even mid-checkpoint. Main thread only (elsewhere no handler is installed)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        name = signal.Signals(signum).name
+        if control.interrupted:  # the second signal aborts at once (threads are still stopped and joined)
+            raise KeyboardInterrupt(f"second {name}: stopped at once{abandoned}")
+        control.interrupt(name)
+        log.warning(f"{name}: stopping after {until} (again to stop at once)")
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 class StageClock:
