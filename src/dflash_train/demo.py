@@ -104,18 +104,13 @@ def build_demo_config(device: torch.device, minutes: float | None, out: str, ove
 def heldout_prompt_ids(cfg: Config, tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
     """n prompts from the run's held-out conversations (never trained on), at most max_prompt_tokens long each;
     topped up with built-in prompts when the held-out side has too few."""
-    from .data.dataset import load_dataset
     from .errors import UserError
-    from .inference.prompts import FALLBACK_PROMPTS, Prompt, chat_prompt, tokenize_prompts
+    from .inference.prompts import FALLBACK_PROMPTS, Prompt, heldout_prompts, tokenize_prompts
 
     ids: list[list[int]] = []
     if cfg.data.source != "synthetic" and cfg.data.heldout_fraction > 0:
-        # max_samples=1: reading stops as soon as the held-out side is full; the train side is not needed.
-        d = dataclasses.replace(cfg.data, max_samples=1, heldout_max=4 * n, regenerate=False)
-        try:
-            split = load_dataset(d, tokenizer, seed=cfg.train.seed, cache_dir="")
-            prompts = [Prompt("messages", chat_prompt(m, f"held-out conversation {i}"))
-                       for i, m in enumerate(split.heldout_messages)]
+        try:  # 4n candidates: the length limit drops some
+            prompts = heldout_prompts(cfg.data, tokenizer, 4 * n, cfg.train.seed)
             ids = [p for p in tokenize_prompts(prompts, tokenizer) if len(p) <= max_prompt_tokens][:n]
         except UserError as e:
             log.warning(f"held-out prompts unavailable ({e}); using built-in prompts")

@@ -42,7 +42,6 @@ from .target_runner import TargetRunner
 log = logging.getLogger("dflash_train")
 
 DEFAULT_NUM_PROMPTS = 16
-EVAL_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}  # None: bf16 on CUDA, fp32 on CPU
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 
@@ -258,6 +257,7 @@ def run_eval_cli(args) -> int:
     from ..models.checkpoint import load_drafter, load_drafter_config
     from ..models.target import load_target, load_tokenizer, target_config_info
     from ..devices import parse_device
+    from ..training.step import resolve_dtype
     from .prompts import (check_prompt_lengths, default_prompts, needs_tokenizer, read_prompt_file,
                           tokenize_prompts)
     from .report import format_summary, write_report
@@ -281,7 +281,7 @@ def run_eval_cli(args) -> int:
 
     device = parse_device(args.device, "--device")
     # The drafter runs in the target's dtype (DrafterRunner), so --dtype sets both.
-    target = load_target(args.target, dcfg.target_layer_ids, device=device, dtype=EVAL_DTYPES[args.dtype],
+    target = load_target(args.target, dcfg.target_layer_ids, device=device, dtype=resolve_dtype(args.dtype, device),
                          truncate=False)
     drafter = load_drafter(args.drafter, device)
     report = evaluate(target, drafter, prompt_ids, args.max_new_tokens, args.temperature, args.block_size,

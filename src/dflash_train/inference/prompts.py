@@ -100,20 +100,29 @@ def chat_prompt(turns: list, where: str) -> list[dict]:
     return messages
 
 
+def heldout_prompts(data, tokenizer, n: int, seed: int = 0) -> list[Prompt]:
+    """Up to n prompts from the held-out conversations of `data` (a DataConfig; the same split training holds out
+    with the same seed): each conversation up to its first assistant turn. Raises what loading the data raises."""
+    import dataclasses
+
+    from ..data.dataset import load_dataset
+
+    # max_samples=1: reading stops as soon as the held-out side is full; the train side is not needed.
+    d = dataclasses.replace(data, max_samples=1, heldout_max=n, regenerate=False)
+    split = load_dataset(d, tokenizer, seed=seed, cache_dir="")
+    return [Prompt("messages", chat_prompt(m, f"held-out conversation {i}"))
+            for i, m in enumerate(split.heldout_messages)][:n]
+
+
 def default_prompts(tokenizer, n: int, seed: int = 0) -> list[Prompt]:
     """The held-out split of the bundled ShareGPT data (the same split training holds out with the same seed);
     a few built-in chat prompts if that split cannot be loaded."""
     try:
         from ..config import DataConfig
-        from ..data.dataset import load_dataset
 
-        # max_samples=1: reading stops as soon as the held-out side is full; the train side is not needed.
-        split = load_dataset(DataConfig(source="sharegpt", max_samples=1, heldout_max=n), tokenizer, seed=seed,
-                             cache_dir="")
-        prompts = [Prompt("messages", chat_prompt(m, f"held-out conversation {i}"))
-                   for i, m in enumerate(split.heldout_messages)]
+        prompts = heldout_prompts(DataConfig(source="sharegpt"), tokenizer, n, seed)
         if prompts:
-            return prompts[:n]
+            return prompts
         reason = "the held-out split is empty"
     except (ImportError, UserError, ValueError) as e:  # DataError is a ValueError
         reason = f"{type(e).__name__}: {e}"

@@ -99,7 +99,6 @@ class FaultPlan:
         without beating, then raises Stopped; nan/inf are returned for the caller to apply with poison_."""
         if not self.faults:
             return None
-        phase = "startup" if phase == "warmup" else phase
         with self._lock:
             fault = next((f for f in self.faults if f not in self._fired and f.worker == worker and f.phase == phase
                           and f.n == n), None)

@@ -37,7 +37,8 @@ class StepReporter:
 
     def _fractions(self, since_t: float, since: dict[str, tuple]) -> tuple[dict, dict]:
         """Fractions of the wall time since `since_t` (drafters waiting for data, targets waiting for room, each
-        stage busy), averaged over each stage's workers; plus the counters now."""
+        stage busy), averaged over each stage's workers, and each worker's own busy fraction ('busy_by_worker');
+        plus the counters now."""
         dt = max(time.perf_counter() - since_t, 1e-9)
         now = {w.name: self._counters(w) for w in self.targets + self.drafters}
         frac = {n: [(c - o) / dt for c, o in zip(now[n], since.get(n, (0.0, 0.0, 0.0)))] for n in now}
@@ -46,15 +47,13 @@ class StepReporter:
             return sum(frac[w.name][i] for w in workers) / len(workers)
 
         return {"drafter_wait": mean(self.drafters, 0), "target_wait": mean(self.targets, 1),
-                "drafter_busy": mean(self.drafters, 2), "target_busy": mean(self.targets, 2)}, now
+                "drafter_busy": mean(self.drafters, 2), "target_busy": mean(self.targets, 2),
+                "busy_by_worker": {n: f[2] for n, f in frac.items()}}, now
 
     def run_fractions(self) -> dict:
         """The same fractions over the whole training phase (for the result), plus each worker's own busy fraction
         under 'busy_by_worker' ({'target0': .., 'drafter0': ..}): a stage's mean hides an idle or a slow device."""
-        out, now = self._fractions(self._t0, self._seen0)
-        dt = max(time.perf_counter() - self._t0, 1e-9)
-        out["busy_by_worker"] = {n: (c[2] - self._seen0.get(n, (0.0, 0.0, 0.0))[2]) / dt for n, c in now.items()}
-        return out
+        return self._fractions(self._t0, self._seen0)[0]
 
     def on_step(self, worker, step: int, metrics: dict | None) -> None:
         if metrics is not None:

@@ -170,7 +170,6 @@ class Worker:
         self.stream = None  # a CUDA stream of its own, set by subclasses that compute on a GPU
         self.ready = threading.Event()
         self.finished = threading.Event()
-        self.error: str | None = None
         self.phase = "startup"  # startup -> steady -> shutdown (for failure messages)
         self.last_beat = time.monotonic()
         self.clock = StageClock(self.device)
@@ -201,7 +200,6 @@ class Worker:
         except Stopped:
             pass
         except BaseException as e:  # noqa: BLE001 - everything a worker raises is reported, with its traceback
-            self.error = traceback.format_exc()
             self.control.fail(self.name, describe_failure(self.name, e, self.phase), e)
         finally:
             self.finished.set()
@@ -217,10 +215,6 @@ class Worker:
 
     def beat(self) -> None:
         self.last_beat = time.monotonic()
-
-    def stack(self) -> str:
-        """Where the thread is right now (for stall reports)."""
-        return thread_stack(self.thread)
 
     # ------------------------------------------------------------------ stop-aware waits
     def _check_stop(self) -> None:
