@@ -41,7 +41,7 @@ step = S.DrafterStep(d, embed, head, tc, dev, tag="x")
 opt = torch.optim.AdamW(d.parameters(), lr=3e-3, fused=(dev.type=="cuda"))
 def eager_loss(b, f):
     with torch.no_grad():
-        return S._loss_fn(d, embed, head, f, b.input_ids, b.position_ids, b.doc_ids, b.loss_mask, b.anchors, b.anchor_valid, 16, 7.0, step.attention, 0, torch.bfloat16)["loss"].item()
+        return S._loss_fn(d, embed, head, f, b.input_ids, b.position_ids, b.doc_ids, b.loss_mask, b.anchors, b.anchor_valid, step.block_size, step.gamma, step.attention, step.loss_chunk, step.dtype)["loss"].item()
 def train():
     for i in range(N):
         before = eager_loss(batches[i], feats[i])
