@@ -121,8 +121,11 @@ class StageClock:
     def __init__(self, device: torch.device):
         self.device = device
         self.get_wait_s = self.put_wait_s = 0.0
-        self._busy_s = 0.0
+        self._busy_s = 0.0                # CUDA: resolved event pairs
         self._pending: deque = deque()  # (start, end) CUDA events not yet resolved
+        # CPU: (seconds of finished intervals, start of the one in progress or None), one attribute so that the
+        # reporter's thread always reads a consistent pair
+        self._cpu: tuple[float, float | None] = (0.0, None)
 
     @contextmanager
     def busy(self):
@@ -133,15 +136,20 @@ class StageClock:
             end.record()
             self._pending.append((start, end))
         else:
+            done, _ = self._cpu
             t0 = time.perf_counter()
+            self._cpu = (done, t0)
             yield
-            self._busy_s += time.perf_counter() - t0
+            self._cpu = (done + time.perf_counter() - t0, None)
 
     def busy_s(self) -> float:
+        """Busy seconds up to now. On CPU the interval in progress counts up to now, so the busy time between two
+        reads never exceeds the wall time between them; on CUDA, pairs count once their end event has passed."""
         while self._pending and self._pending[0][1].query():
             start, end = self._pending.popleft()
             self._busy_s += start.elapsed_time(end) / 1000.0
-        return self._busy_s
+        done, since = self._cpu
+        return self._busy_s + done + (time.perf_counter() - since if since is not None else 0.0)
 
 
 def thread_stack(thread: threading.Thread) -> str:
