@@ -312,15 +312,20 @@ def bench_target(ctx: Context):
         return measure(fwd, T_max, T_max * T_max / 2)
     ctx.variant("target", "eager, causal only (ceiling: ignores documents)", f"T={T_max}", causal_only, cost_s=15)
 
-    def graphed():
-        """model.target_graphs: the document-mask forward captured once as a CUDA graph and replayed (plus the
-        row's copies in and the features' copy out, as the pipeline's target worker runs it)."""
-        if dev.type != "cuda":
-            raise Skip("CUDA graphs need a CUDA device")
-        target, ids, pos, doc, row = inputs(T_max)
-        fn = GraphedFeatures(target, T_max, graphs=True)
-        return measure(lambda i: fn(ids, pos, doc), T_max, causal_pairs(row.doc_ids))
-    ctx.variant("target", "CUDA graph (document mask; model.target_graphs)", f"T={T_max}", graphed, cost_s=20)
+    for attention in ("sdpa", "flex"):
+        def graphed(attention=attention):
+            """model.target_graphs: the document-mask forward captured once as a CUDA graph and replayed (plus the
+            row's copies in and the features' copy out, as the pipeline's target worker runs it)."""
+            if dev.type != "cuda":
+                raise Skip("CUDA graphs need a CUDA device")
+            target, ids, pos, doc, row = inputs(T_max)
+            target.set_attention(attention)
+            try:
+                fn = GraphedFeatures(target, T_max, graphs=True)
+                return measure(lambda i: fn(ids, pos, doc), T_max, causal_pairs(row.doc_ids))
+            finally:
+                target.set_attention("sdpa")
+        ctx.variant("target", f"CUDA graph, {attention} (model.target_graphs)", f"T={T_max}", graphed, cost_s=40)
 
     for T in s.target_compile_seqs:
         def compiled(T=T):

@@ -271,4 +271,6 @@ def test_embedded_target_conversion_is_exact_and_regenerates(tmp_path):
     stats = regenerate_dataset(hf, tok, items, out, settings, batch_size=2)
     recs = _records(out)
     assert stats.turns == 2 and len(recs) + sum(stats.dropped.values()) == 2
+    # one batch of 2 rows decodes until its longer reply ends: at most 2 x 24 steps, at least what was generated
+    assert stats.generated_tokens <= stats.row_steps <= 2 * 24 and 0 < stats.row_use() <= 1
     assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in recs)

@@ -49,13 +49,10 @@ class ModelConfig:
                                        "always use sdpa.")
     target_graphs: bool = _f(False, "Capture the target's feature forward of a token_budget row as one CUDA graph and "
                                     "replay it: a target step becomes one launch instead of a Python forward (small "
-                                    "targets, several target threads in one process). CUDA and "
-                                    "target_attention=sdpa only. Off until measured on a GPU (docs/BENCHMARKS.md).")
+                                    "targets, whose forward is bound by Python launch overhead; several target "
+                                    "threads in one process). CUDA only; sdpa or flex target attention.")
 
     def __post_init__(self):
-        if self.target_graphs and self.target_attention != "sdpa":
-            raise ConfigError("model.target_graphs=true needs model.target_attention=sdpa (a flex BlockMask is built "
-                              "on the host per row and cannot be captured).")
         if self.target_attention not in ("sdpa", "flex", "auto"):
             raise ConfigError("model.target_attention must be one of sdpa, flex, auto "
                               f"(got {self.target_attention!r}).")

@@ -74,6 +74,7 @@ class RegenerateStats:
     copied: int = 0               # written unchanged (held-out side of a training run)
     turns: int = 0                # replies generated
     generated_tokens: int = 0
+    row_steps: int = 0            # decoding steps x batch rows (dummy rows too): what the generated tokens cost
     seconds: float = 0.0
     dropped: Counter = field(default_factory=Counter)  # reason -> conversations not written
 
@@ -83,14 +84,21 @@ class RegenerateStats:
         self.copied += other.copied
         self.turns += other.turns
         self.generated_tokens += other.generated_tokens
+        self.row_steps += other.row_steps
         self.dropped.update(other.dropped)
+
+    def row_use(self) -> float:
+        """Generated tokens / decoding steps paid for: a batch decodes until its longest reply ends, and a row
+        whose reply ended earlier (or a dummy row filling the batch) still rides along."""
+        return self.generated_tokens / max(self.row_steps, 1)
 
     def line(self) -> str:
         s = max(self.seconds, 1e-9)
         dropped = ", ".join(f"{k}={n}" for k, n in sorted(self.dropped.items())) or "none"
         return (f"regenerated {self.conversations} conversations ({self.turns} replies, {self.generated_tokens:,} "
                 f"tokens) in {self.seconds:.1f}s: {self.conversations / s:.2f} conversations/s, "
-                f"{self.generated_tokens / s:,.1f} generated tokens/s; {self.already_done} already done, "
+                f"{self.generated_tokens / s:,.1f} generated tokens/s ({self.row_use():.0%} of the batch rows' "
+                f"decoding steps produced a token); {self.already_done} already done, "
                 f"{self.copied} copied unchanged; dropped: {dropped}")
 
 
@@ -273,6 +281,7 @@ class Regenerator:
             prompts = [ids for _, ids in batch]
             gen = self._batch_generator(max(len(p) for p in prompts) + s.max_new_tokens)
             outs = gen.generate(prompts, s.max_new_tokens, self.stop_ids, s.temperature, self.generator, self.pad_id)
+            stats.row_steps += gen.runner.batch_size * gen.last_steps
             for (chat, _), tokens in zip(batch, outs):
                 stats.turns += 1
                 stats.generated_tokens += len(tokens)

@@ -49,6 +49,7 @@ class BatchGenerator:
     def __init__(self, hf, batch_size: int, max_len: int, graphs: bool | None = None, kv_window: int | None = KV_WINDOW,
                  packed_gqa: bool = True):
         self.runner = TargetRunner.for_hf(hf, max_len, batch_size, (1,), graphs, kv_window, packed_gqa)
+        self.last_steps = 0  # decoding steps (tokens per row, finished rows included) of the last generate()
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids=(), temperature: float = 0.0,
@@ -80,6 +81,7 @@ class BatchGenerator:
             out[:, filled] = tok
             finished |= torch.isin(tok, stop)
             filled += 1
+        self.last_steps = filled
         return [_cut_at_stop(row, stop_ids) for row in out[:n, :filled].tolist()]
 
 

@@ -22,7 +22,6 @@ from ..errors import UserError
 
 import importlib.util
 import os
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,31 +114,45 @@ def resolve_target_attention(name: str, device: torch.device) -> str:
     return name
 
 
-_compiled_create_block_mask = None
-_compiled_create_block_mask_lock = threading.Lock()
+FLEX_TILE = 128  # flex-attention sparse tile (queries x keys), the kernels' default block size
 
 
-def doc_causal_block_mask(doc_ids: torch.Tensor):
-    """doc_ids [T] -> flex BlockMask [1, 1, T, T], the same pattern as doc_causal_mask (never materialised on CUDA).
+def doc_causal_block_mask(doc_ids: torch.Tensor, tile: int = FLEX_TILE):
+    """doc_ids [T] -> flex BlockMask [1, 1, T, T], the same pattern as doc_causal_mask, never materialised.
 
-    On CUDA the mask is built by a compiled create_block_mask (one per process; a new row's doc_ids is a new
-    closure cell, not a recompile), which evaluates the mask tile by tile without a [T, T] tensor; on CPU the eager
-    builder is cheap at test sizes."""
-    global _compiled_create_block_mask
-    from torch.nn.attention.flex_attention import create_block_mask
+    Built from per-tile document bounds in a handful of small kernels with static shapes and no host sync, so a
+    target forward that uses it can be captured as one CUDA graph (model.target_graphs). For query tile i and key
+    tile j (the last query repeated and keys padded with a document id no token has, to whole tiles):
+      full     j < i and both tiles lie in one and the same document (no mask_mod needed);
+      partial  j <= i, not full, and the tiles' document ranges overlap (a superset of the tiles holding a visible
+               pair; mask_mod decides per element, so a superset stays exact).
+    Documents need not be sorted; padding (-1) is a document of its own, as in doc_causal_mask."""
+    from torch.nn.attention.flex_attention import BlockMask
 
-    build = create_block_mask
-    if doc_ids.device.type == "cuda":
-        with _compiled_create_block_mask_lock:
-            if _compiled_create_block_mask is None:
-                _compiled_create_block_mask = torch.compile(create_block_mask)
-        build = _compiled_create_block_mask
+    from ..training.objective import ordered_tiles
+
+    T, dev = doc_ids.shape[0], doc_ids.device
+    n = -(-T // tile)
+    pad = torch.arange(n * tile, device=dev).view(n, tile) >= T
+    q = doc_ids[torch.arange(n * tile, device=dev).clamp(max=T - 1)].view(n, tile)
+    k = doc_ids[torch.arange(n * tile, device=dev).clamp(max=T - 1)].view(n, tile)   # padded keys: never visible,
+    k_min = torch.where(pad, k[:, :1], k).amin(1)                                    # so left out of the bounds
+    k_max = torch.where(pad, k[:, :1], k).amax(1)
+    q_min, q_max = q.amin(1), q.amax(1)
+    idx = torch.arange(n, device=dev)
+    causal, before = idx[None, :] <= idx[:, None], idx[None, :] < idx[:, None]       # [Qt, KVt]
+    one_doc = (q_min == q_max)[:, None] & (k_min == k_max)[None, :] & (k_min[None, :] == q_min[:, None])
+    full = before & one_doc
+    overlap = (k_min[None, :] <= q_max[:, None]) & (q_min[:, None] <= k_max[None, :])
+    partial = causal & overlap & ~full
+    kv_num, kv_idx = ordered_tiles(partial)
+    full_num, full_idx = ordered_tiles(full)
 
     def doc_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[q_idx] == doc_ids[kv_idx])
 
-    T = doc_ids.shape[0]
-    return build(doc_causal, None, None, T, T, device=doc_ids.device)
+    return BlockMask.from_kv_blocks(kv_num[None, None], kv_idx[None, None], full_num[None, None],
+                                    full_idx[None, None], BLOCK_SIZE=tile, mask_mod=doc_causal, seq_lengths=(T, T))
 
 
 @dataclass
@@ -295,14 +308,12 @@ class GraphedFeatures:
     """`target.features` for rows of one length T, captured once as a CUDA graph and replayed (`graphs=True`), or
     run eagerly (CPU, tests). The document mask is built inside the graph from doc_ids, so a row costs one launch
     and three small copies instead of a Python forward through every layer. Each call returns a new tensor (copied
-    out of the graph's static output), so callers may queue it while the next row runs. sdpa attention only: a flex
-    BlockMask is built on the host per row."""
+    out of the graph's static output), so callers may queue it while the next row runs. Either attention: the flex
+    BlockMask is built from doc_ids on the device too (doc_causal_block_mask: no host sync)."""
 
     def __init__(self, target: TargetModel, T: int, graphs: bool):
         from ..inference.cuda_graph import GraphedStep
 
-        if target.attention != "sdpa":
-            raise ValueError("GraphedFeatures needs a target with sdpa attention")
         dev = target.device
         self.T = T
         self.ids = torch.zeros(T, dtype=torch.long, device=dev)

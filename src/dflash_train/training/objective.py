@@ -140,7 +140,7 @@ class FlexMask:
                                         seq_lengths=(A * B, T + A * B))
 
 
-def _ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bool [Qt, KVt] -> (count [Qt], indices [Qt, KVt]) int32, the set tiles first in ascending order."""
     t = tiles.to(torch.int32)
     return t.sum(-1, dtype=torch.int32), torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)
@@ -182,8 +182,8 @@ def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: in
     ctx = (k0[None, :] < ctx_hi[:, None]) & (k1[None, :] > ctx_lo[:, None])
     own = (k0[None, :] < own_hi[:, None]) & (k1[None, :] > own_lo[:, None])
     partial = (ctx | own) & ~full
-    kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
+    kv_num, kv_idx = ordered_tiles(partial)
+    full_num, full_idx = ordered_tiles(full)
     return FlexMask(anchors, doc_ids, kv_num, kv_idx, full_num, full_idx, B, tile)
 
 
