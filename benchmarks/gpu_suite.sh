@@ -36,7 +36,7 @@ regen4() {
     awk -v n="$n" -v i="$i" 'NR % n == i' .gpu/data/train_chats.jsonl > /tmp/shard$i.jsonl
     CUDA_VISIBLE_DEVICES=$i timeout -k 60 "${REGEN_S:-240}" python3 -m dflash_train.cli regenerate --target "$GGUF" \
         --data /tmp/shard$i.jsonl --out /tmp/regen$i.jsonl --max-new-tokens "${REGEN_NEW:-256}" \
-        --max-length 2048 --batch-size "${REGEN_BATCH:-512}" --device cuda > /tmp/regen$i.log 2>&1 &
+        --max-length 2048 --batch-size "${REGEN_BATCH:-768}" --device cuda > /tmp/regen$i.log 2>&1 &
   done
   wait
   for i in $(seq 0 $((n - 1))); do grep -E "regenerated|rror" /tmp/regen$i.log | tail -3; done
@@ -50,7 +50,7 @@ print(f"/tmp/regen.jsonl: {len(recs)} conversations, {len(replies)} replies, "
 }
 
 train() {
-  stage "train on /tmp/regen.jsonl: pipeline, reduce-overhead steps in worker threads, one GPU shared"
+  stage "train on /tmp/regen.jsonl: pipeline, reduce-overhead steps in worker threads (smollm2_gpu: one GPU shared, unless TRAIN_ARGS moves a stage)"
   local resume=never overwrite=true
   if [ -f $RUN/run_config.yaml ]; then resume=auto overwrite=false; fi
   timeout "${TRAIN_S:-560}" python3 -m dflash_train.cli train --config smollm2_gpu model.target="$GGUF" \

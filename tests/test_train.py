@@ -227,3 +227,17 @@ def test_fresh_drafter_output_gain_matches_the_head(tiny_llama, tmp_path):
     assert torch.all(d.norm.weight == 1.0)
     init_output_norm(d, 2 * head)
     assert torch.allclose(d.norm.weight, torch.full_like(d.norm.weight, 0.5))
+
+
+def test_every_bundled_recipe_loads():
+    """A recipe with a misspelt key or an invalid value would fail only when a user runs it: load each one here."""
+    from pathlib import Path
+
+    import dflash_train
+    from dflash_train.config import load_config
+
+    names = sorted(p.stem for p in (Path(dflash_train.__file__).parent / "recipes").glob("*.yaml"))
+    assert {"tiny_cpu", "smollm2_demo", "smollm2_gpu", "smollm2_gpu2"} <= set(names)
+    for name in names:
+        cfg = load_config(name, [])
+        assert cfg.train.token_budget > 0, name
