@@ -119,11 +119,11 @@ class _Pipeline:
         self.guard = RecompileGuard(resolve_compile_mode(cfg.train.compile, drafter_devices[0]) != "eager")
         self.gradsync = gradsync = GradAverager(self.n, self.peers)
         embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed
-        self.drafters = [DrafterWorker(r, c, faults, d, self.run_setup, init, state, self.start_step, embed_w, head_w,
+        self.drafters = [DrafterWorker(r, c, d, self.run_setup, init, state, self.start_step, embed_w, head_w,
                                        inboxes[r], gradsync, self.guard, self.logger.should_log)
                          for r, d in enumerate(drafter_devices)]
         warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
-        self.targets = [TargetWorker(i, c, faults, t, d, batches, feats, warm, graphs=cfg.model.target_graphs)
+        self.targets = [TargetWorker(i, c, t, d, batches, feats, warm, graphs=cfg.model.target_graphs)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]
         self.reporter = StepReporter(self.logger, self.ckpt, cfg.train.checkpoint_every, self.run_setup.total_steps,
                                      self.shard.global_replicas, batches, feats, self.targets, self.drafters)
@@ -138,7 +138,7 @@ class _Pipeline:
         self.prefetch = Prefetcher(c, feats, inboxes, drafter_devices, [w.stream for w in self.drafters],
                                    len(targets), start_batch, in_flight, shard=self.shard)
         uses_cuda = any(d.type == "cuda" for d in target_devices + drafter_devices)
-        self.loader = LoaderWorker(c, faults, self.run_setup.schedule, start_batch, batches, in_flight, len(targets),
+        self.loader = LoaderWorker(c, self.run_setup.schedule, start_batch, batches, in_flight, len(targets),
                                    pin_memory=uses_cuda, shard=self.shard)
         self.workers: list[Worker] = [*self.drafters, *self.targets, self.prefetch, self.loader]
 

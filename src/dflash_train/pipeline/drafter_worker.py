@@ -21,7 +21,7 @@ from ..training.optim import Updater, build_optimizer, build_scheduler
 from ..training.run import RunSetup
 from ..training.step import DrafterStep
 from .devices import new_stream, wait_event
-from .faults import FaultPlan, poison_
+from .faults import poison_
 from .gradsync import GradAverager
 from .loader import dummy_batch
 from .worker import END_OF_DATA, RunControl, Worker
@@ -58,12 +58,12 @@ def weights_checksum(params: list[torch.Tensor]) -> torch.Tensor:
 
 
 class DrafterWorker(Worker):
-    def __init__(self, replica: int, control: RunControl, faults: FaultPlan, device: torch.device, run: RunSetup,
+    def __init__(self, replica: int, control: RunControl, device: torch.device, run: RunSetup,
                  init_drafter: DFlashDrafter, train_state: dict | None, start_step: int, embed_w: torch.Tensor,
                  head_w: torch.Tensor, inbox: queue.Queue, gradsync: GradAverager, guard: RecompileGuard,
                  is_log_step: Callable[[int], bool], reporter=None):
         super().__init__(f"drafter{replica}", control, device)
-        self.replica, self.faults, self.run, self.train_state = replica, faults, run, train_state
+        self.replica, self.run, self.train_state = replica, run, train_state
         self.init_drafter, self.embed_w, self.head_w = init_drafter, embed_w, head_w
         self.inbox, self.gradsync, self.guard = inbox, gradsync, guard
         self.is_log_step, self.reporter = is_log_step, reporter
@@ -111,7 +111,7 @@ class DrafterWorker(Worker):
             item = self.get(self.inbox)
             if item is END_OF_DATA:
                 raise RuntimeError(f"the data ended after {step} steps, before step {self.run.total_steps}")
-            fault = self.faults.check(self.name, "step", self.control.stop, step)
+            fault = self.inject("step", step)
             wait_event(item.ready, self.device)  # the prefetcher's copies are done
             self.batch_indices.append(item.batch.index)
             with self.clock.busy():

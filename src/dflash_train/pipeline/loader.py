@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from ..data.packing import BatchSchedule, TrainBatch
-from .faults import FaultPlan
 from .worker import END_OF_DATA, RunControl, Worker
 
 
@@ -64,18 +63,18 @@ class DataShard:
 
 
 class LoaderWorker(Worker):
-    def __init__(self, control: RunControl, faults: FaultPlan, schedule: BatchSchedule, start_batch: int,
+    def __init__(self, control: RunControl, schedule: BatchSchedule, start_batch: int,
                  out: queue.Queue, in_flight: threading.Semaphore, num_consumers: int, pin_memory: bool,
                  shard: DataShard | None = None):
         super().__init__("loader", control)
-        self.faults, self.schedule, self.start_batch = faults, schedule, start_batch
+        self.schedule, self.start_batch = schedule, start_batch
         self.out, self.in_flight, self.num_consumers, self.pin_memory = out, in_flight, num_consumers, pin_memory
         self.shard = shard  # None: every batch
 
     def loop(self) -> None:
         keep = self.shard.owns if self.shard is not None else None
         for n, batch in enumerate(self.schedule.iter_from(self.start_batch, keep)):
-            self.faults.check(self.name, "step", self.control.stop, n)
+            self.inject("step", n)
             if self.pin_memory:  # page-locked, so the prefetcher's host->device copies are truly asynchronous
                 batch = batch.pin_memory()
             self.acquire(self.in_flight)

@@ -15,7 +15,7 @@ import torch
 from ..data.packing import TrainBatch
 from ..models.target import GraphedFeatures, TargetModel
 from .devices import new_stream, record_event
-from .faults import FaultPlan, poison_
+from .faults import poison_
 from .worker import END_OF_DATA, RunControl, Worker
 
 
@@ -27,11 +27,11 @@ class FeatureItem:
 
 
 class TargetWorker(Worker):
-    def __init__(self, index: int, control: RunControl, faults: FaultPlan, target: TargetModel,
+    def __init__(self, index: int, control: RunControl, target: TargetModel,
                  device: torch.device, inbox: queue.Queue, out: queue.Queue, warmup: TrainBatch,
                  graphs: bool = False):
         super().__init__(f"target{index}", control, device)
-        self.faults, self.target, self.inbox, self.out, self.warmup = faults, target, inbox, out, warmup
+        self.target, self.inbox, self.out, self.warmup = target, inbox, out, warmup
         self.graphs = graphs  # model.target_graphs: one CUDA graph per row instead of a Python forward
         self.stream = new_stream(device)  # its own stream: overlaps a drafter sharing the GPU
         self.forward = target.features
@@ -53,7 +53,7 @@ class TargetWorker(Worker):
             if batch is END_OF_DATA:
                 self.put(self.out, END_OF_DATA)
                 return
-            fault = self.faults.check(self.name, "step", self.control.stop, n)
+            fault = self.inject("step", n)
             with self.clock.busy():
                 feats = self._features(batch)
             if fault:  # injected nan/inf: the features, so the drafter's loss and gradients
