@@ -3,12 +3,14 @@ steps (flex attention, bf16) in worker threads, on a random-init Qwen3-shaped ta
 
 Cases, each in its own subprocess (a fresh CUDA context and inductor config per case):
   all-gpus     target cuda:0, one drafter replica per visible GPU (cuda:0 shared with the target)   -> trains
+  all-nccl     all-gpus with pipeline.grad_reduce=nccl (only with 2+ GPUs)                          -> trains
   split        target cuda:0, drafters on cuda:1..N-1 (only with 2+ GPUs)                             -> trains
   trees-on     all-gpus with CUDAGraph Trees forced back on (DFLASH_CUDAGRAPH_TREES=1)                 -> must FAIL
                with the trees' AssertionError in the drafter's worker thread
 Prints steps/s, the stages' busy/wait fractions and whether the replicas stayed identical, then a table.
 
   Run (from the repo root): PYTHONPATH=src python3 benchmarks/gpu_pipeline_check.py
+  Some cases only:          CASES=all-gpus,all-nccl PYTHONPATH=src python3 benchmarks/gpu_pipeline_check.py
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ WORK = Path("/tmp/dflash_gpu_pipeline_check")
 STEPS, LOG_EVERY, CASE_TIMEOUT_S = 30, 5, 240
 
 
-def overrides(target: str, out: Path, drafters: list[str]) -> list[str]:
+def overrides(target: str, out: Path, drafters: list[str], grad_reduce: str = "host") -> list[str]:
     return [f"model.target={target}", f"run.out_dir={out}", "run.overwrite=true", "model.block_size=16",
             "model.num_draft_layers=2", "model.num_feature_layers=3", "train.token_budget=4096",
             "train.num_anchors=256", f"train.max_steps={STEPS}", f"train.log_every={LOG_EVERY}",
             "train.compile=reduce-overhead", "train.attention=flex", "train.dtype=bf16",
             "data.synthetic_samples=4000", "pipeline.target_devices=[cuda:0]",
-            f"pipeline.drafter_devices=[{','.join(drafters)}]", "pipeline.stall_timeout_s=180"]
+            f"pipeline.drafter_devices=[{','.join(drafters)}]", "pipeline.stall_timeout_s=180",
+            f"pipeline.grad_reduce={grad_reduce}"]
 
 
 def run_case(spec: dict) -> dict:
@@ -45,7 +48,7 @@ def run_case(spec: dict) -> dict:
     from dflash_train.config import load_config
     from dflash_train.pipeline.coordinator import train_pipeline
 
-    cfg = load_config("tiny_cpu", overrides(spec["target"], Path(spec["out"]), spec["drafters"]))
+    cfg = load_config("tiny_cpu", overrides(spec["target"], Path(spec["out"]), spec["drafters"], spec["reduce"]))
     t0 = time.perf_counter()
     try:
         res = train_pipeline(cfg)
@@ -65,10 +68,11 @@ def run_case(spec: dict) -> dict:
             "trees": torch._inductor.config.triton.cudagraph_trees}
 
 
-def launch(name: str, target: str, drafters: list[str], trees: bool) -> dict:
-    spec = {"target": target, "out": str(WORK / name), "drafters": drafters}
+def launch(name: str, target: str, drafters: list[str], trees: bool, grad_reduce: str = "host") -> dict:
+    spec = {"target": target, "out": str(WORK / name), "drafters": drafters, "reduce": grad_reduce}
     env = dict(os.environ, DFLASH_CUDAGRAPH_TREES="1" if trees else "0")
-    print(f"\n=== {name}: target cuda:0, drafters {drafters}, cudagraph trees {'on' if trees else 'off'}", flush=True)
+    print(f"\n=== {name}: target cuda:0, drafters {drafters}, cudagraph trees {'on' if trees else 'off'}, "
+          f"grad_reduce {grad_reduce}", flush=True)
     try:
         p = subprocess.run([sys.executable, __file__, "--case", json.dumps(spec)], env=env, capture_output=True,
                            text=True, timeout=CASE_TIMEOUT_S)
@@ -99,12 +103,15 @@ def main() -> None:
     if not (target / "config.json").is_file():
         make_target(str(target), layers=8, hidden=1024)
     all_gpus = [f"cuda:{i}" for i in range(n)]
-    cases = [("all-gpus", all_gpus, False, True)]
+    cases = [("all-gpus", all_gpus, False, True, "host")]
     if n >= 2:
-        cases.append(("split", all_gpus[1:], False, True))
-    cases.append(("trees-on", all_gpus, True, False))
-    rows = [(name, drafters, expect_ok, launch(name, str(target), drafters, trees))
-            for name, drafters, trees, expect_ok in cases]
+        cases.append(("all-nccl", all_gpus, False, True, "nccl"))
+        cases.append(("split", all_gpus[1:], False, True, "host"))
+    cases.append(("trees-on", all_gpus, True, False, "host"))
+    if os.environ.get("CASES"):  # e.g. CASES=all-gpus,all-nccl
+        cases = [c for c in cases if c[0] in os.environ["CASES"].split(",")]
+    rows = [(name, drafters, expect_ok, launch(name, str(target), drafters, trees, reduce))
+            for name, drafters, trees, expect_ok, reduce in cases]
 
     print(f"\ntorch {torch.__version__}, {n} GPU(s); {STEPS} steps, token_budget 4096, reduce-overhead, flex, bf16")
     print(f"{'case':<9} {'drafters':<24} {'expect':<7} {'verdict':<8} {'steps/s':>7} {'tok/s':>9} "

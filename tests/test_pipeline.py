@@ -145,6 +145,71 @@ def test_config_errors(tiny_llama, tmp_path, monkeypatch):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA device is visible"):
             train_pipeline(cfg_for(tiny_llama, tmp_path / "r", drafters=("cuda:0",)))
+    with pytest.raises(ConfigError, match="grad_reduce must be 'host' or 'nccl'"):
+        load_config("tiny_cpu", ["pipeline.grad_reduce=ring"])
+    with pytest.raises(ConfigError, match="grad_reduce=nccl needs CUDA drafter devices"):
+        train_pipeline(cfg_for(tiny_llama, tmp_path / "r", drafters=("cpu", "cpu"), **{"pipeline.grad_reduce": "nccl"}))
+
+
+def test_nccl_grad_reduce_protocol_gives_every_replica_the_mean(monkeypatch):
+    """pipeline.grad_reduce=nccl's threading protocol (copy in, one collective queued by replica 0, divide, copy
+    back), on CPU with the collective replaced by an in-place sum: over rounds whose buffers are reused, every
+    replica ends each round with the exact mean of that round's gradients, and log rounds also average metrics.
+    The real NCCL call runs on GPUs only (docs/BENCHMARKS.md)."""
+    from dflash_train.pipeline import gradsync
+    from dflash_train.pipeline.worker import RunControl, Worker
+
+    def fake_all_reduce(buffers, streams):
+        total = sum(b.clone() for b in buffers)
+        for b in buffers:
+            b.copy_(total)
+    monkeypatch.setattr(gradsync, "nccl_all_reduce", fake_all_reduce)
+    n, rounds = 3, 5
+    avg = gradsync.GradAverager(n, method="nccl")
+    control = RunControl()
+    params = [[torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))] for _ in range(n)]
+    grads = {(r, k): [torch.randn(4, 3), torch.randn(5)] for r in range(n) for k in range(rounds)}
+    losses = {(r, k): torch.tensor(float(10 * k + r)) for r in range(n) for k in range(rounds)}
+    seen: dict = {}
+    errors: list = []
+
+    def replica(r: int) -> None:
+        try:
+            run_replica(r)
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+            control.stop.set()
+
+    def run_replica(r: int) -> None:
+        w = Worker(f"drafter{r}", control)
+        avg.prepare(r, params[r], {"loss": torch.zeros(())})
+        for k in range(rounds):
+            for p, g in zip(params[r], grads[r, k]):
+                p.grad.copy_(g)  # in place, as DrafterStep's persistent .grad buffers
+            log = k % 2 == 0
+            out = avg.all_reduce(w, r, params[r], {"loss": losses[r, k]} if log else None)
+            seen[r, k] = ([p.grad.clone() for p in params[r]], out)
+
+    for p_list in params:
+        for p in p_list:
+            p.grad = torch.zeros_like(p)
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and len(seen) == n * rounds, errors
+    for k in range(rounds):
+        mean = [sum(grads[r, k][i] for r in range(n)) / n for i in range(2)]
+        for r in range(n):
+            got, metrics = seen[r, k]
+            for g, m in zip(got, mean):
+                torch.testing.assert_close(g, m)
+            assert torch.equal(got[0], seen[0, k][0][0])  # the same bits on every replica
+            if k % 2 == 0:
+                assert float(metrics["loss"]) == pytest.approx(sum(10 * k + q for q in range(n)) / n)
+            else:
+                assert metrics is None
 
 
 def _cli(args, tmp_path, env_extra=None, **popen):

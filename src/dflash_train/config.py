@@ -160,10 +160,17 @@ class PipelineConfig:
     drafter_devices: list[str] = _f(["auto"], "Devices each holding one drafter replica, e.g. ['cuda:1', 'cuda:2'].")
     queue_depth: int = _f(4, "Bounded depth of each queue between stages (backpressure).")
     stall_timeout_s: float = _f(600.0, "A worker silent this long is reported as stalled and the run stops.")
+    grad_reduce: str = _f("host", "How drafter replicas of one process average gradients every step: host (replica 0 "
+                                  "sums them in replica order, its thread waiting for each backward) | nccl (one "
+                                  "NCCL all-reduce across the replicas' GPUs on their own streams: no host wait, "
+                                  "bandwidth shared by every link; several CUDA replicas, one process). Off until "
+                                  "measured on GPUs (docs/BENCHMARKS.md).")
 
     def __post_init__(self):
         if not self.target_devices or not self.drafter_devices:
             raise ConfigError("pipeline.target_devices and pipeline.drafter_devices need at least one device each.")
+        if self.grad_reduce not in ("host", "nccl"):
+            raise ConfigError(f"pipeline.grad_reduce must be 'host' or 'nccl' (got {self.grad_reduce!r}).")
         if self.queue_depth < 1:
             raise ConfigError("pipeline.queue_depth must be at least 1.")
 

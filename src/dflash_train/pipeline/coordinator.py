@@ -70,6 +70,12 @@ def train_pipeline(cfg: Config) -> PipelineResult:
             raise ConfigError("data.regenerate would regenerate the data on every rank: run `dflash-train regenerate` "
                               "once and point data.source at its output, or data.regenerate=false.")
         target_devices, drafter_devices = resolve_pipeline_devices(cfg.pipeline)
+        if cfg.pipeline.grad_reduce == "nccl" and len(drafter_devices) > 1:
+            if any(d.type != "cuda" for d in drafter_devices):
+                raise ConfigError("pipeline.grad_reduce=nccl needs CUDA drafter devices; use grad_reduce=host on CPU.")
+            if peers.enabled:
+                raise ConfigError("pipeline.grad_reduce=nccl averages the replicas of one process; under torchrun "
+                                  "run one drafter replica per process, or set pipeline.grad_reduce=host.")
         peers.use_device(drafter_devices[0])
         faults = FaultPlan.from_env() if faults_apply_here() else FaultPlan([])
         out = prepare_out_dir(cfg, owner=peers.is_rank0)
@@ -117,7 +123,7 @@ class _Pipeline:
         inboxes = [queue.Queue(1) for _ in drafter_devices]     # DrafterInput: 1 here + 1 being trained
         in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
         self.guard = RecompileGuard(resolve_compile_mode(cfg.train.compile, drafter_devices[0]) != "eager")
-        self.gradsync = gradsync = GradAverager(self.n, self.peers)
+        self.gradsync = gradsync = GradAverager(self.n, self.peers, cfg.pipeline.grad_reduce)
         embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed
         self.drafters = [DrafterWorker(r, c, d, self.run_setup, init, state, self.start_step, embed_w, head_w,
                                        inboxes[r], gradsync, self.guard, self.logger.should_log)

@@ -65,6 +65,11 @@ def _cuda_scope(device, stream):
                     pass
 
 
+def current_stream(device: torch.device):
+    """This thread's current stream of `device` (None on CPU)."""
+    return torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+
 def record_event(device: torch.device):
     """An event marking all work queued so far on this thread's current stream of `device` (None on CPU)."""
     if device.type != "cuda":

@@ -14,6 +14,14 @@ Sync points (CUDA): each replica records an event after its backward; replica 0 
 and finishes its sum on the host before publishing, so the cross-device reads on either side see complete data.
 A replica posts round k+1 only after its round-k copy was queued on its stream, so the buffers are never
 overwritten while being read. Metrics are summed the same way, only on log steps (zeros otherwise).
+
+`pipeline.grad_reduce=nccl` (several CUDA replicas in one process): every replica copies its gradients into a flat
+buffer of its own on its stream; replica 0's thread, once all have posted, queues one NCCL all-reduce over those
+buffers on the replicas' own streams (`torch.cuda.nccl.all_reduce`, the single-process multi-GPU collective); each
+replica then divides and copies back on its stream. Stream order alone keeps it safe (a replica's copy-in precedes
+the collective on its stream, and its next copy-in follows its copy-back), so no thread waits for a GPU. The
+result is bit-identical on every replica (NCCL's all-reduce hands every rank the same reduced chunks), but its sum
+order is NCCL's, not replica order: a run is reproducible on the same GPUs, not bit-equal to the host method.
 """
 
 from __future__ import annotations
@@ -22,13 +30,21 @@ import threading
 
 import torch
 
-from .devices import record_event, sync_event
+from .devices import current_stream, record_event, sync_event
 from .distributed import FAILED, INTERRUPTED, OK, DistributedSync, PeerStopped
 from .worker import Stopped, Worker
 
 
+def nccl_all_reduce(buffers: list[torch.Tensor], streams: list) -> None:
+    """Sum `buffers` (one per GPU, equal shapes) in place on every GPU, queued on `streams` (one per buffer):
+    NCCL's single-process multi-GPU all-reduce, the collective DataParallel's broadcasts come from."""
+    from torch.cuda import nccl
+
+    nccl.all_reduce(buffers, streams=streams)
+
+
 class GradAverager:
-    def __init__(self, num_replicas: int, peers: DistributedSync | None = None):
+    def __init__(self, num_replicas: int, peers: DistributedSync | None = None, method: str = "host"):
         self.n = num_replicas
         self.peers = peers if peers is not None and peers.enabled else None
         self.total = self.n * (self.peers.world if self.peers else 1)  # replicas of the whole run
@@ -41,6 +57,11 @@ class GradAverager:
         self._metrics: dict[str, torch.Tensor] = {}               # views of flat, shaped like the metrics
         self._numel = 0                                           # G + M: what is divided by `total`
         self._mean_metrics: dict | None = None
+        self.nccl = method == "nccl" and num_replicas > 1
+        if self.nccl and self.peers is not None:
+            raise ValueError("grad_reduce=nccl averages the replicas of one process; under torchrun run one drafter "
+                             "replica per process, or grad_reduce=host")
+        self._local: list[tuple | None] = [None] * num_replicas  # nccl: (flat, grad views, metric views) per replica
 
     @property
     def active(self) -> bool:
@@ -49,6 +70,12 @@ class GradAverager:
     def prepare(self, replica: int, params: list[torch.nn.Parameter], metrics: dict[str, torch.Tensor]) -> None:
         """Called by every replica after its warm-up step (`metrics` as a step returns them); replica 0 allocates the
         flat buffer. Before the first step, so a rank that stops early knows the layout the others all-reduce."""
+        if self.nccl:
+            self._local[replica] = self._flat_views(params, metrics)
+            if replica == 0:
+                self._flat, self._mean, self._metrics = self._local[0]
+                self._numel = self._flat.numel()
+            return
         if replica != 0 or not self.active:
             return
         grads = [p.grad for p in params if p.grad is not None]
@@ -65,6 +92,16 @@ class GradAverager:
         if self.peers:
             self.peers.register_step_buffer(self._flat)
 
+    @staticmethod
+    def _flat_views(params: list[torch.nn.Parameter], metrics: dict[str, torch.Tensor]):
+        """(flat [G + M] on the grads' device, grad-shaped views, metric-shaped views) for the nccl method."""
+        grads = [p.grad for p in params if p.grad is not None]
+        sizes = [g.numel() for g in grads] + [m.numel() for m in metrics.values()]
+        flat = torch.zeros(sum(sizes), dtype=grads[0].dtype, device=grads[0].device)
+        views = flat.split(sizes)
+        return (flat, [v.view_as(g) for v, g in zip(views, grads)],
+                {k: v.view(m.shape) for v, (k, m) in zip(views[len(grads):], metrics.items())})
+
     @property
     def step_numel(self) -> int:
         """G + M, the size every rank's step all-reduce must agree on (0 without a buffer)."""
@@ -75,6 +112,8 @@ class GradAverager:
         """Replace every replica's grads by their mean; return the mean metrics (or None when metrics is None)."""
         if not self.active:
             return metrics
+        if self.nccl:
+            return self._all_reduce_nccl(worker, replica, params, metrics)
         grads = [p.grad for p in params if p.grad is not None]  # same set on every replica: same graph
         ready = record_event(grads[0].device)
         with self._cond:
@@ -98,6 +137,33 @@ class GradAverager:
             for g, m in zip(grads, self._mean):
                 g.copy_(m, non_blocking=True)
         return self._mean_metrics if metrics is not None else None
+
+    def _all_reduce_nccl(self, worker: Worker, replica: int, params: list[torch.nn.Parameter],
+                         metrics: dict | None) -> dict | None:
+        """The nccl method (module docstring): copy in, one collective queued by replica 0, divide, copy back."""
+        flat, grad_views, metric_views = self._local[replica]
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_copy_(grad_views, grads)
+        for k, view in metric_views.items():
+            view.copy_(metrics[k]) if metrics is not None else view.zero_()
+        with self._cond:
+            my_round = self._round
+            self._posted[replica] = (current_stream(flat.device),)  # a tuple: on CPU the stream is None
+            self._cond.notify_all()
+            if replica == 0:
+                worker.wait_for(self._cond, lambda: all(p is not None for p in self._posted))
+                streams, self._posted = [p[0] for p in self._posted], [None] * self.n
+        if replica == 0:
+            nccl_all_reduce([local[0] for local in self._local], streams)
+            with self._cond:
+                self._round += 1
+                self._cond.notify_all()
+        else:
+            with self._cond:
+                worker.wait_for(self._cond, lambda: self._round > my_round)
+        flat.div_(float(self.total))
+        torch._foreach_copy_(grads, grad_views)
+        return {k: v.clone() for k, v in metric_views.items()} if metrics is not None else None
 
     def _reduce(self, worker: Worker, posted: list[tuple]) -> None:
         """On replica 0's thread and device: mean = (g_0 + g_1 + ... + g_{N-1}) [+ other ranks] / total."""

@@ -25,7 +25,8 @@ RUN_CONFIG_NAME = "run_config.yaml"
 # Keys that may differ between a run and its resumption without making it "a different run".
 _RESUMABLE_KEYS = {("run", "resume"), ("run", "overwrite"), ("train", "log_every"), ("train", "checkpoint_every"),
                    ("train", "keep_checkpoints"), ("pipeline", "stall_timeout_s"), ("pipeline", "queue_depth"),
-                   ("train", "max_minutes"), ("train", "nonfinite"), ("model", "target_graphs")}
+                   ("train", "max_minutes"), ("train", "nonfinite"), ("model", "target_graphs"),
+                   ("pipeline", "grad_reduce")}
 
 
 @dataclass
