@@ -85,6 +85,31 @@ def test_regenerate_writes_valid_jsonl_and_resumes(chat_target, tmp_path, capsys
     assert "other settings" in capsys.readouterr().err
 
 
+def test_regenerate_batch_size_auto_and_errors(chat_target, tmp_path, capsys):
+    """--batch-size auto sizes the batch from the KV cache per row and the free memory; a bad value is one sentence,
+    before any model loads."""
+    from dflash_train.cli import main
+    from dflash_train.data.regenerate import MAX_AUTO_BATCH, auto_batch_size
+
+    smollm2_kv = 2 * 30 * 3 * 64 * 2          # bytes per token: 2 (K, V) x layers x kv heads x head dim x bf16
+    qwen3_8b_kv = 2 * 36 * 8 * 128 * 2
+    assert auto_batch_size(smollm2_kv, 2048, 130 * 2**30) == MAX_AUTO_BATCH == 768   # capped at what was measured
+    assert auto_batch_size(qwen3_8b_kv, 2048, 120 * 2**30) == 192                    # 204 rows fit, multiple of 64
+    assert auto_batch_size(qwen3_8b_kv, 2048, 2**30) == 1                            # never 0
+    assert auto_batch_size(qwen3_8b_kv, 2048, None) == 8                             # CPU
+    for bad in ("0", "-3", "many"):
+        code = main(["regenerate", "--target", chat_target, "--out", str(tmp_path / "r.jsonl"), "--batch-size", bad])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "--batch-size must be a positive integer or 'auto'" in err[0], err
+    out = tmp_path / "auto.jsonl"
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi there"},
+                                             {"role": "assistant", "content": "x"}]}) + "\n")
+    assert main(["regenerate", "--target", chat_target, "--data", str(data), "--out", str(out),
+                 "--max-new-tokens", "4"]) == 0                                      # default: auto (8 on CPU)
+    assert len(out.read_text().splitlines()) == 1
+
+
 def test_regenerate_on_several_devices_writes_what_one_device_writes(chat_target, tmp_path):
     """Two replicas (threads, here both on the CPU) draw from one stream of conversations: together they write the
     same records as one replica, each once; the CLI takes a device list."""

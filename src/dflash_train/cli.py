@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="output JSONL (resumable: existing lines are kept)")
     r.add_argument("--max-samples", type=int, default=None)
     r.add_argument("--max-new-tokens", type=int, default=256)
-    r.add_argument("--batch-size", type=int, default=32)
+    r.add_argument("--batch-size", default="auto",
+                   help="conversations decoded together per device, or 'auto': as many as half the free GPU memory "
+                        "holds KV caches of --max-length for, up to 768 (8 on CPU)"),
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--device", default="auto",
                    help="'auto', 'all' (every visible GPU), or a comma-separated list (cuda:0,cuda:1): one model "

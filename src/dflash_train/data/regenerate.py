@@ -52,6 +52,8 @@ from .sources import Conversation, DataError, iter_conversations, open_source
 log = logging.getLogger("dflash_train")
 
 MIN_CACHE_SLOTS = 128  # the static cache is sized in powers of two from here up to max_length (grown when needed)
+MAX_AUTO_BATCH = 768   # the largest batch measured on real data (docs/BENCHMARKS.md section 11: SmolLM2 on an H200)
+CPU_BATCH = 8
 LOOKAHEAD_BATCHES = 8  # due replies pooled (in batches) so that each batch can take prompts of similar length
 
 
@@ -178,6 +180,43 @@ def check_settings(out_path: Path, settings: RegenerateSettings, replace: bool) 
 
 
 # ---------------------------------------------------------------------------------------------- generation
+
+def auto_batch_size(kv_bytes_per_token: int, max_length: int, free_bytes: int | None) -> int:
+    """`--batch-size auto`: the batch whose full KV caches (max_length slots per row) fill half the free memory
+    (the other half: the prefill's activations and masks, which grow with batch x prompt length), rounded down to
+    a multiple of 64 rows, between 1 and MAX_AUTO_BATCH. free_bytes None (CPU): CPU_BATCH."""
+    if free_bytes is None:
+        return CPU_BATCH
+    rows = free_bytes // 2 // max(1, kv_bytes_per_token * max_length)
+    return int(max(1, min(MAX_AUTO_BATCH, rows // 64 * 64 if rows >= 64 else rows)))
+
+
+def parse_batch_size(spec) -> int | None:
+    """--batch-size: a positive integer, or 'auto' (None: sized by batch_size_for once the models are loaded)."""
+    if str(spec).strip().lower() == "auto":
+        return None
+    try:
+        n = int(spec)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise UserError(f"--batch-size must be a positive integer or 'auto' (got {spec!r}).")
+    return n
+
+
+def batch_size_for(models, max_length: int) -> int:
+    """auto_batch_size for the tightest of the models' devices (their KV bytes per token and free memory)."""
+    from ..models.target import TargetInfo
+
+    sizes = []
+    for hf in models:
+        info = TargetInfo.from_config(hf.config)
+        weight = hf.get_input_embeddings().weight
+        kv = 2 * info.num_layers * info.num_key_value_heads * info.head_dim * weight.element_size()
+        free = torch.cuda.mem_get_info(weight.device)[0] if weight.device.type == "cuda" else None
+        sizes.append(auto_batch_size(kv, max_length, free))
+    return min(sizes)
+
 
 def cache_slots(needed: int, max_length: int) -> int:
     """Static cache size for a batch needing `needed` slots: a power of two from MIN_CACHE_SLOTS, capped at
@@ -441,7 +480,9 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
              f"{d.source!r} into {out_path} on {', '.join(map(str, devices))}")
     models = [load_generation_model(cfg.model.target, dev) for dev in devices]
     cuda = devices[0].type == "cuda"
-    regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=64 if cuda else 8,
+    batch = batch_size_for(models, d.max_length)
+    log.info(f"data.regenerate: {batch} conversations per batch on each device")
+    regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
                        total=total, replace_mismatch=cfg.run.overwrite)
     del models
     gc.collect()  # the runners' reference cycles hold the models, caches and graph pools until collected
@@ -473,6 +514,7 @@ def run_regenerate_cli(args) -> int:
         raise UserError("--temperature must be 0 (greedy) or positive.")
     if args.max_samples is not None and args.max_samples < 1:
         raise UserError("--max-samples must be at least 1.")
+    fixed_batch = parse_batch_size(args.batch_size)
     out_path = Path(args.out)
     if out_path.suffix != ".jsonl":
         raise UserError(f"--out {args.out!r} must be a .jsonl file (one conversation per line).")
@@ -487,11 +529,13 @@ def run_regenerate_cli(args) -> int:
     devices = parse_devices(args.device)
     tokenizer = load_tokenizer(args.target)
     models = [load_generation_model(args.target, d) for d in devices]
+    batch = fixed_batch or batch_size_for(models, args.max_length)
+    log.info(f"regenerate: {batch} conversations per batch on each of {len(models)} device(s)")
     counts: Counter = Counter()
     control = RunControl()
     with stop_on_signals(control, "the current batch, which is written first"):
         stats = regenerate_dataset(models, tokenizer, _select(args.data, args.max_samples, counts), out_path,
-                                   settings, args.batch_size, total=args.max_samples, stop=control.stop)
+                                   settings, batch, total=args.max_samples, stop=control.stop)
     skipped = {k.removeprefix("skip:"): n for k, n in counts.items() if k.startswith("skip:")}
     if skipped:
         log.info("source records skipped as unusable: " + ", ".join(f"{k}={n}" for k, n in sorted(skipped.items())))
