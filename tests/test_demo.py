@@ -244,6 +244,15 @@ def test_training_plots(tmp_path):
 
 # ------------------------------------------------------------------------------------------ demo
 
+def test_demo_gpu_settings_are_a_valid_config(chat_target, tmp_path):
+    """The GPU demo's overrides (no GPU here to run them) load as a config: a misspelt key would fail only there."""
+    from dflash_train.demo import build_demo_config
+
+    cfg = build_demo_config(torch.device("cuda", 0), None, str(tmp_path / "demo"), [f"model.target={chat_target}"])
+    assert cfg.data.regenerate and cfg.model.target_graphs and cfg.model.target_attention == "flex"
+    assert cfg.pipeline.target_devices == cfg.pipeline.drafter_devices == ["cuda:0"]
+
+
 def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys):
     data = write_chats(tmp_path / "chats.jsonl", 200)
     out = tmp_path / "demo"
