@@ -69,7 +69,8 @@ class GradAverager:
 
     def prepare(self, replica: int, params: list[torch.nn.Parameter], metrics: dict[str, torch.Tensor]) -> None:
         """Called by every replica after its warm-up step (`metrics` as a step returns them); replica 0 allocates the
-        flat buffer. Before the first step, so a rank that stops early knows the layout the others all-reduce."""
+        flat buffer (nccl: every replica its own). Before the first step, so a rank that stops early knows the
+        layout the others all-reduce."""
         if self.nccl:
             self._local[replica] = self._flat_views(params, metrics)
             if replica == 0:
