@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPU session in one script (H200, torch 2.11, no network). Run from the repo root after staging SmolLM2:
 #   GGUF=/tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf bash benchmarks/gpu_suite.sh smollm2|trees|bench
-# TARGET_ATTN=flex trains with the target's document mask as a flex BlockMask (model.target_attention; default sdpa).
+# TARGET_ATTN=flex trains with the target's document mask as a flex BlockMask (model.target_attention; default: the recipe's).
 # Inputs under the git-ignored .gpu/data, written by `PYTHONPATH=src python3 benchmarks/gpu_data.py` (carry the .gz
 # files): train_chats.jsonl(.gz), every ShareGPT record but the 32 held out, replies to regenerate, and
 # eval_prompts.jsonl(.gz). Each stage has its own time limit; logs and results go to $OUT.
 #   smollm2    one GPU end to end: regenerate first turns (130 s), train, evaluate
 #   regen4     regenerate every reply, one shard per visible GPU in parallel (REGEN_S seconds: then SIGTERM, which
 #              finishes the batch in flight and prints each shard's summary; resumable)
-#   train      train on /tmp/regen.jsonl on one GPU (STEPS, TRAIN_MIN; resumes the run in $RUN if it exists)
+#   train      train on /tmp/regen.jsonl (CONFIG: a recipe, default smollm2_gpu (one GPU shared); smollm2_gpu2 = target
+#              cuda:0 + drafter cuda:1; STEPS, TRAIN_MIN; resumes the run in $RUN if it exists)
 #   evaluate   eval of $RUN's drafter on the held-out prompts: bf16 (tau, speedup) and fp32 (lossless verdict)
 set -u
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -50,13 +51,15 @@ print(f"/tmp/regen.jsonl: {len(recs)} conversations, {len(replies)} replies, "
 }
 
 train() {
-  stage "train on /tmp/regen.jsonl: pipeline, reduce-overhead steps in worker threads (smollm2_gpu: one GPU shared, unless TRAIN_ARGS moves a stage)"
+  local config=${CONFIG:-smollm2_gpu}
+  stage "train on /tmp/regen.jsonl: recipe $config, pipeline, reduce-overhead steps in worker threads"
   local resume=never overwrite=true
   if [ -f $RUN/run_config.yaml ]; then resume=auto overwrite=false; fi
-  timeout "${TRAIN_S:-560}" python3 -m dflash_train.cli train --config smollm2_gpu model.target="$GGUF" \
+  # STEPS, TARGET_ATTN override the recipe only when set; TRAIN_MIN always (each call's own time limit).
+  timeout "${TRAIN_S:-560}" python3 -m dflash_train.cli train --config "$config" model.target="$GGUF" \
       data.source=/tmp/regen.jsonl run.out_dir=$RUN run.resume=$resume run.overwrite=$overwrite \
-      train.max_steps="${STEPS:-2500}" train.max_minutes="${TRAIN_MIN:-3.0}" \
-      model.target_attention="${TARGET_ATTN:-sdpa}" ${TRAIN_ARGS:-} \
+      ${STEPS:+train.max_steps=$STEPS} train.max_minutes="${TRAIN_MIN:-3.0}" \
+      ${TARGET_ATTN:+model.target_attention=$TARGET_ATTN} ${TRAIN_ARGS:-} \
       2>&1 | grep -v -E "it/s\]|s/it\]" | tail -45
   cp $RUN/metrics.jsonl "$OUT/" 2>/dev/null; cp $RUN/*.png "$OUT/" 2>/dev/null
 }
