@@ -53,7 +53,7 @@ log = logging.getLogger("dflash_train")
 
 MIN_CACHE_SLOTS = 128  # the static cache is sized in powers of two from here up to max_length (grown when needed)
 MAX_AUTO_BATCH = 768   # the largest batch measured on real data (docs/BENCHMARKS.md section 11: SmolLM2 on an H200)
-CPU_BATCH = 8
+CPU_BATCH = 8          # `--batch-size auto` on a CPU
 LOOKAHEAD_BATCHES = 8  # due replies pooled (in batches) so that each batch can take prompts of similar length
 
 
