@@ -117,27 +117,32 @@ class GradAverager:
             return self._all_reduce_nccl(worker, replica, params, metrics)
         grads = [p.grad for p in params if p.grad is not None]  # same set on every replica: same graph
         ready = record_event(grads[0].device)
-        with self._cond:
-            my_round = self._round
-            self._posted[replica] = (grads, metrics, ready)
-            self._cond.notify_all()
-            if replica == 0:
-                worker.wait_for(self._cond, lambda: all(p is not None for p in self._posted))
-                posted, self._posted = self._posted, [None] * self.n
-        if replica == 0:
-            self._reduce(worker, posted)
-            with self._cond:
-                self._round += 1
-                self._cond.notify_all()
-        else:
-            with self._cond:
-                worker.wait_for(self._cond, lambda: self._round > my_round)
+        self._round_trip(worker, replica, (grads, metrics, ready), lambda posted: self._reduce(worker, posted))
         if grads[0].device == self._flat.device:
             torch._foreach_copy_(grads, self._mean)
         else:  # peer copies on this replica's stream; the mean was completed on the host before publishing
             for g, m in zip(grads, self._mean):
                 g.copy_(m, non_blocking=True)
         return self._mean_metrics if metrics is not None else None
+
+    def _round_trip(self, worker: Worker, replica: int, item: tuple, reduce) -> None:
+        """One round: every replica posts `item`; replica 0, once all have posted, runs reduce(posted items in
+        replica order) and publishes the round; the others return once it is published."""
+        with self._cond:
+            my_round = self._round
+            self._posted[replica] = item
+            self._cond.notify_all()
+            if replica == 0:
+                worker.wait_for(self._cond, lambda: all(p is not None for p in self._posted))
+                posted, self._posted = self._posted, [None] * self.n
+        if replica == 0:
+            reduce(posted)
+            with self._cond:
+                self._round += 1
+                self._cond.notify_all()
+        else:
+            with self._cond:
+                worker.wait_for(self._cond, lambda: self._round > my_round)
 
     def _all_reduce_nccl(self, worker: Worker, replica: int, params: list[torch.nn.Parameter],
                          metrics: dict | None) -> dict | None:
@@ -147,21 +152,8 @@ class GradAverager:
         torch._foreach_copy_(grad_views, grads)
         for k, view in metric_views.items():
             view.copy_(metrics[k]) if metrics is not None else view.zero_()
-        with self._cond:
-            my_round = self._round
-            self._posted[replica] = (current_stream(flat.device),)  # a tuple: on CPU the stream is None
-            self._cond.notify_all()
-            if replica == 0:
-                worker.wait_for(self._cond, lambda: all(p is not None for p in self._posted))
-                streams, self._posted = [p[0] for p in self._posted], [None] * self.n
-        if replica == 0:
-            nccl_all_reduce([local[0] for local in self._local], streams)
-            with self._cond:
-                self._round += 1
-                self._cond.notify_all()
-        else:
-            with self._cond:
-                worker.wait_for(self._cond, lambda: self._round > my_round)
+        self._round_trip(worker, replica, (current_stream(flat.device),),  # a tuple: on CPU the stream is None
+                         lambda posted: nccl_all_reduce([local[0] for local in self._local], [p[0] for p in posted]))
         flat.div_(float(self.total))
         torch._foreach_copy_(grads, grad_views)
         return {k: v.clone() for k, v in metric_views.items()} if metrics is not None else None
