@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .flex import FLEX_TILE, ordered_tiles
+
 EMBEDDED_TARGET_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -114,36 +116,28 @@ def resolve_target_attention(name: str, device: torch.device) -> str:
     return name
 
 
-FLEX_TILE = 128  # flex-attention sparse tile (queries x keys), the kernels' default block size
-
-
 def doc_causal_block_mask(doc_ids: torch.Tensor, tile: int = FLEX_TILE):
     """doc_ids [T] -> flex BlockMask [1, 1, T, T], the same pattern as doc_causal_mask, never materialised.
 
     Built from per-tile document bounds in a handful of small kernels with static shapes and no host sync, so a
-    target forward that uses it can be captured as one CUDA graph (model.target_graphs). For query tile i and key
-    tile j (the last query repeated and keys padded with a document id no token has, to whole tiles):
+    target forward that uses it can be captured as one CUDA graph (model.target_graphs). Each tile's lowest and
+    highest document id (the last tile padded by repeating the last token, which leaves its bounds unchanged) serve
+    as query and as key bounds; for query tile i and key tile j:
       full     j < i and both tiles lie in one and the same document (no mask_mod needed);
       partial  j <= i, not full, and the tiles' document ranges overlap (a superset of the tiles holding a visible
                pair; mask_mod decides per element, so a superset stays exact).
     Documents need not be sorted; padding (-1) is a document of its own, as in doc_causal_mask."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    from ..training.objective import ordered_tiles
-
     T, dev = doc_ids.shape[0], doc_ids.device
     n = -(-T // tile)
-    pad = torch.arange(n * tile, device=dev).view(n, tile) >= T
-    q = doc_ids[torch.arange(n * tile, device=dev).clamp(max=T - 1)].view(n, tile)
-    k = doc_ids[torch.arange(n * tile, device=dev).clamp(max=T - 1)].view(n, tile)   # padded keys: never visible,
-    k_min = torch.where(pad, k[:, :1], k).amin(1)                                    # so left out of the bounds
-    k_max = torch.where(pad, k[:, :1], k).amax(1)
-    q_min, q_max = q.amin(1), q.amax(1)
+    docs = doc_ids[torch.arange(n * tile, device=dev).clamp(max=T - 1)].view(n, tile)
+    lo, hi = docs.amin(1), docs.amax(1)                                                # [n]
     idx = torch.arange(n, device=dev)
     causal, before = idx[None, :] <= idx[:, None], idx[None, :] < idx[:, None]       # [Qt, KVt]
-    one_doc = (q_min == q_max)[:, None] & (k_min == k_max)[None, :] & (k_min[None, :] == q_min[:, None])
-    full = before & one_doc
-    overlap = (k_min[None, :] <= q_max[:, None]) & (q_min[:, None] <= k_max[None, :])
+    one_doc = lo == hi
+    full = before & one_doc[:, None] & one_doc[None, :] & (lo[None, :] == lo[:, None])
+    overlap = (lo[None, :] <= hi[:, None]) & (lo[:, None] <= hi[None, :])
     partial = causal & overlap & ~full
     kv_num, kv_idx = ordered_tiles(partial)
     full_num, full_idx = ordered_tiles(full)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..models.drafter import AttendFn, DFlashDrafter
+from ..models.flex import FLEX_TILE, ordered_tiles
 
 
 def default_gamma(block_size: int) -> float:
@@ -99,7 +100,6 @@ def sdpa_attend(mask: torch.Tensor) -> AttendFn:
     return attend
 
 
-FLEX_TILE = 128  # flex-attention sparse tile (queries x keys): the kernels' default block size
 
 
 @dataclass
@@ -138,12 +138,6 @@ class FlexMask:
         return BlockMask.from_kv_blocks(self.kv_num[None, None], self.kv_idx[None, None], self.full_num[None, None],
                                         self.full_idx[None, None], BLOCK_SIZE=self.tile, mask_mod=mask_mod,
                                         seq_lengths=(A * B, T + A * B))
-
-
-def ordered_tiles(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """bool [Qt, KVt] -> (count [Qt], indices [Qt, KVt]) int32, the set tiles first in ascending order."""
-    t = tiles.to(torch.int32)
-    return t.sum(-1, dtype=torch.int32), torch.argsort(t, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
 def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, tile: int = FLEX_TILE) -> FlexMask:
