@@ -124,11 +124,11 @@ def test_regenerate_on_several_devices_writes_what_one_device_writes(chat_target
 
 
 def test_a_failing_replica_stops_regeneration_and_is_named(chat_target, tmp_path, monkeypatch):
-    from dflash_train.data.regenerate import (RegenerateSettings, Regenerator, iter_source_records,
-                                              load_generation_model, regenerate_dataset)
+    from dflash_train.data.regenerate import RegenerateSettings, Regenerator, iter_source_records, regenerate_dataset
+    from dflash_train.models.target import load_causal_lm
 
     data = write_chats(tmp_path / "chats.jsonl", 40, turns=1)
-    models = [load_generation_model(chat_target, torch.device("cpu")) for _ in range(2)]
+    models = [load_causal_lm(chat_target, torch.device("cpu")) for _ in range(2)]
     calls = {"n": 0}
     original = Regenerator._batch_generator
 
@@ -285,10 +285,9 @@ def test_read_done_ids_ignores_garbage(tmp_path):
 def test_embedded_target_conversion_is_exact_and_regenerates(tmp_path):
     """The demo's one-time GGUF -> HF directory conversion keeps the logits bit-identical; the converted target
     regenerates a real ShareGPT conversation with its own chat template and stops at its end-of-turn token."""
-    from dflash_train.data.regenerate import (RegenerateSettings, load_generation_model, regenerate_dataset,
-                                              iter_source_records)
+    from dflash_train.data.regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
     from dflash_train.demo import local_embedded_target
-    from dflash_train.models.target import load_target
+    from dflash_train.models.target import load_causal_lm, load_target
 
     local = local_embedded_target(tmp_path / "cache")
     assert local_embedded_target(tmp_path / "cache") == local  # converted once
@@ -298,7 +297,7 @@ def test_embedded_target_conversion_is_exact_and_regenerates(tmp_path):
         b = load_target(str(local), [0], truncate=False).hf(ids).logits
     assert torch.equal(a, b)
     tok = load_tokenizer(str(local))
-    hf = load_generation_model(str(local), torch.device("cpu"))
+    hf = load_causal_lm(str(local), torch.device("cpu"))
     items = [(rid, conv, True) for _, (rid, conv) in zip(range(2), iter_source_records("sharegpt", Counter()))]
     out = tmp_path / "regen.jsonl"
     settings = RegenerateSettings("sharegpt", str(local), 24, 0.0, True, 1024)

@@ -441,17 +441,11 @@ def _select(source: str, max_samples: int | None, counts: Counter) -> Iterator[t
 
 # ---------------------------------------------------------------------------------------------- entry points
 
-def load_generation_model(target: str | None, device: torch.device):
-    """The whole target as a plain HF causal LM (bf16 on GPU, fp32 on CPU)."""
-    from ..models.target import load_causal_lm
-
-    return load_causal_lm(target, device)
-
-
 def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     """data.regenerate: regenerate the run's training conversations (the first data.max_samples on the training
     side of the split) into <out_dir>/regenerated.jsonl, copy the held-out side unchanged (its prompts are what
     evaluation uses), and return the DataConfig that reads that file."""
+    from ..models.target import load_causal_lm
     from ..pipeline.devices import resolve_pipeline_devices
     from .conversations import is_heldout
 
@@ -478,7 +472,7 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     total = None if d.max_samples is None else d.max_samples + cap[True]
     log.info(f"data.regenerate: the target rewrites {d.max_samples or 'all'} training conversations of "
              f"{d.source!r} into {out_path} on {', '.join(map(str, devices))}")
-    models = [load_generation_model(cfg.model.target, dev) for dev in devices]
+    models = [load_causal_lm(cfg.model.target, dev) for dev in devices]
     cuda = devices[0].type == "cuda"
     batch = batch_size_for(models, d.max_length)
     log.info(f"data.regenerate: {batch} conversations per batch on each device")
@@ -505,7 +499,7 @@ def parse_devices(spec: str) -> list[torch.device]:
 
 
 def run_regenerate_cli(args) -> int:
-    from ..models.target import load_tokenizer
+    from ..models.target import load_causal_lm, load_tokenizer
     from ..pipeline.worker import RunControl, signal_exit_code, stop_on_signals
 
     if args.max_new_tokens < 1:
@@ -528,7 +522,7 @@ def run_regenerate_cli(args) -> int:
     check_settings(out_path, settings, replace=False)
     devices = parse_devices(args.device)
     tokenizer = load_tokenizer(args.target)
-    models = [load_generation_model(args.target, d) for d in devices]
+    models = [load_causal_lm(args.target, d) for d in devices]
     batch = fixed_batch or batch_size_for(models, args.max_length)
     log.info(f"regenerate: {batch} conversations per batch on each of {len(models)} device(s)")
     counts: Counter = Counter()
