@@ -12,7 +12,6 @@ this command next to them.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,17 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def timed(fn, n: int = 5) -> float:
-    for _ in range(2):
-        fn()
-    ms = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms)
+    """Median ms of n calls after 2 warm-up calls (harness.time_calls: CUDA events, one sync at the end)."""
+    from harness import time_calls
+
+    return time_calls(lambda i: fn(), torch.device("cuda"), warmup=1, iters=n)[1]
 
 
 def top_kernels(fn, title: str, rows: int = 12) -> None:
@@ -75,7 +67,7 @@ def profile_generate() -> None:
         prompts = [torch.randint(0, 49152, (P,)).tolist() for _ in range(batch)]
         whole = timed(lambda: gen.generate(prompts, 256), 1)
         print(f"generate(256 new, no stop) | {batch} | {P} | {whole:.1f} | {batch * 256 / whole * 1e3:,.0f} tokens/s")
-        del gen, run
+        gen = run = None  # frees the cache before the next size
         torch.cuda.empty_cache()
     eager = BatchGenerator(hf, 512, 512 + 256, graphs=False)
     ids = torch.randint(0, 49152, (512, 512))
