@@ -89,20 +89,33 @@ class DrafterStep:
         for p in drafter.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        fn = _fresh_function(_loss_fn, tag)
+        self._loss = self._compiled(_fresh_function(_loss_fn, tag), backend)
+        # Validation's forward-only loss: its own code object, so its graph (traced without autograd) never evicts
+        # or recompiles the training step's. Compiled on first use: callers that validate warm it up first.
+        self._eval_loss = self._compiled(_fresh_function(_loss_fn, f"{tag}_eval"), backend)
+
+    def _compiled(self, fn, backend: str | None):
         if self.compile_mode == "eager":
-            self._loss = fn
-        elif backend is not None:
-            self._loss = torch.compile(fn, backend=backend, dynamic=False, fullgraph=False)
-        else:
-            self._loss = torch.compile(fn, mode=None if self.compile_mode == "default" else self.compile_mode,
-                                       dynamic=False, fullgraph=False)
+            return fn
+        if backend is not None:
+            return torch.compile(fn, backend=backend, dynamic=False, fullgraph=False)
+        return torch.compile(fn, mode=None if self.compile_mode == "default" else self.compile_mode,
+                             dynamic=False, fullgraph=False)
+
+    def _run(self, loss_fn, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
+        return loss_fn(self.drafter, self.embed_w, self.head_w, feats.to(self.dtype), batch.input_ids,
+                       batch.position_ids, batch.doc_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
+                       self.block_size, self.gamma, self.attention, self.loss_chunk, self.dtype)
 
     def __call__(self, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
         """batch: TrainBatch on self.device; feats [T, k*H]. Returns detached metric tensors (no host sync)."""
-        out = self._loss(self.drafter, self.embed_w, self.head_w, feats.to(self.dtype), batch.input_ids,
-                         batch.position_ids, batch.doc_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
-                         self.block_size, self.gamma, self.attention, self.loss_chunk, self.dtype)
+        out = self._run(self._loss, batch, feats)
         out["loss"].backward()
         # CUDA-graph outputs live in static buffers overwritten by the next replay: keep private copies.
+        return {k: out[k].detach().clone() for k in METRIC_KEYS}
+
+    @torch.no_grad()
+    def evaluate(self, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The same loss and metrics without backward: weights, .grad buffers and RNG streams are untouched."""
+        out = self._run(self._eval_loss, batch, feats)
         return {k: out[k].detach().clone() for k in METRIC_KEYS}
