@@ -81,6 +81,7 @@ class PromptReport:
     first_mismatch: int | None = None    # index of the first differing token (greedy), None if identical
     mismatch_margin: float | None = None  # target's top-1 minus top-2 logit there: ~0 means a numerical tie
     tau_estimate: float | None = None    # training's acc@k estimate on the target's greedy output (module docstring)
+    category: str | None = None          # the prompt's category (e.g. the yardstick's "math"), for per-category tau
 
     @property
     def tau(self) -> float | None:
@@ -112,6 +113,15 @@ class EvalReport:
         """Mean over prompts of training's acc@k estimate on the target's greedy output (None when not computed)."""
         est = [p.tau_estimate for p in self.prompts if p.tau_estimate is not None]
         return sum(est) / len(est) if est else None
+
+    @property
+    def tau_by_category(self) -> dict[str, float] | None:
+        """Mean tau per prompt category (prompts without a category or a step left out); None without categories."""
+        by: dict[str, list[float]] = {}
+        for p in self.prompts:
+            if p.category is not None and p.tau is not None:
+                by.setdefault(p.category, []).append(p.tau)
+        return {c: sum(t) / len(t) for c, t in sorted(by.items())} or None
 
     @property
     def accept_histogram(self) -> list[int]:
@@ -158,7 +168,8 @@ class EvalReport:
             "num_prompts": len(self.prompts), "block_size": self.block_size, "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens, "device": self.device, "dtype": self.dtype,
             "cuda_graphs": self.graphs,
-            "mean_tau": self.mean_tau, "tau_estimate": self.tau_estimate, "steps": len(self.steps),
+            "mean_tau": self.mean_tau, "tau_estimate": self.tau_estimate, "tau_by_category": self.tau_by_category,
+            "steps": len(self.steps),
             "tau_step_weighted": sum(self.steps) / len(self.steps) if self.steps else None,
             "accept_histogram": self.accept_histogram,
             "acceptance_by_position": self.acceptance_by_position,
@@ -211,14 +222,16 @@ def acc_estimate(target: TargetModel, drafter: DFlashDrafter, prompt: list[int],
 
 def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], max_new_tokens: int,
              temperature: float = 0.0, block_size: int | None = None, stop_ids=(), graphs: bool | None = None,
-             seed: int = 0, warmup: bool = True) -> EvalReport:
+             seed: int = 0, warmup: bool = True, categories: list[str | None] | None = None) -> EvalReport:
     """Plain and speculative generation for every prompt on one harness -> EvalReport.
 
     target: loaded with truncate=False and the drafter's layer ids. drafter: a DFlashDrafter (run on a private copy
     in the target's dtype) or a ready DraftSource (e.g. a test double). stop_ids: eos ids (see stop_token_ids).
-    graphs: CUDA graphs, None = on for CUDA targets."""
+    graphs: CUDA graphs, None = on for CUDA targets. categories: one per prompt (or None), for per-category tau."""
     if not prompts_token_ids:
         raise ValueError("no prompts to evaluate")
+    if categories is not None and len(categories) != len(prompts_token_ids):
+        raise ValueError(f"{len(categories)} categories for {len(prompts_token_ids)} prompts")
     if len(target.hf.model.layers) != target.info.num_layers:
         raise ValueError("evaluate needs the whole target (its logits): load it with load_target(..., truncate=False)")
     if isinstance(drafter, DFlashDrafter) and list(drafter.config.target_layer_ids) != target.layer_ids:
@@ -240,7 +253,8 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
     for i, prompt in enumerate(bar):
         base = target_generate(t_run, prompt, max_new_tokens, temperature, stop_ids, gen)
         spec = speculative_generate(t_run, d_run, prompt, max_new_tokens, temperature, stop_ids, gen)
-        rep = PromptReport(len(prompt), base.tokens, spec.tokens, spec.accept_lengths, base.seconds, spec.seconds)
+        rep = PromptReport(len(prompt), base.tokens, spec.tokens, spec.accept_lengths, base.seconds, spec.seconds,
+                           category=categories[i] if categories is not None else None)
         if temperature <= 0:
             rep.first_mismatch = _first_mismatch(base.tokens, spec.tokens)
             if rep.first_mismatch is not None and rep.first_mismatch < len(base.tokens):
@@ -285,7 +299,7 @@ def run_eval_cli(args) -> int:
                          truncate=False)
     drafter = load_drafter(args.drafter, device)
     report = evaluate(target, drafter, prompt_ids, args.max_new_tokens, args.temperature, args.block_size,
-                      stop_ids=stop_token_ids(target.hf, tokenizer))
+                      stop_ids=stop_token_ids(target.hf, tokenizer), categories=[p.category for p in prompts])
     out_dir = Path(args.out or "runs/eval")
     write_report(report, out_dir)
     print(format_summary(report))

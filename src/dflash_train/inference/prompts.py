@@ -5,6 +5,9 @@ One record per line, any of:
   {"conversations": [{"from": ..., "value": ...}, ...]}  ShareGPT-style chat
   {"prompt": "text"}  or  "text"                          raw text, tokenized as is (with the tokenizer's BOS)
   {"input_ids": [1, 2, 3]}                                already tokenized (needs no tokenizer)
+A record may also carry "id" and "category" (strings); the eval report averages tau per category when prompts have
+one. `yardstick` (the bundled set, YARDSTICK_PATH) names 80 first-turn prompts written for this project, ten each in
+writing, roleplay, reasoning, math, coding, extraction, STEM and humanities: a source other than the training data.
 A chat prompt is every turn before the first assistant answer, rendered with the target's chat template and
 add_generation_prompt=True, so the model answers the first user turn (later turns are dropped).
 """
@@ -36,6 +39,10 @@ FALLBACK_PROMPTS = [
 ]
 
 
+BUNDLED_PROMPTS = {"yardstick": Path(__file__).resolve().parent.parent / "prompts" / "yardstick.jsonl"}
+YARDSTICK_PATH = BUNDLED_PROMPTS["yardstick"]
+
+
 class PromptError(UserError):
     """The prompts the user gave cannot be used; the message names the file, the line and the fix."""
 
@@ -44,12 +51,21 @@ class PromptError(UserError):
 class Prompt:
     kind: str        # "messages" | "text" | "ids"
     value: object    # list[dict] | str | list[int]
+    category: str | None = None   # e.g. "math": the report's per-category tau
+    id: str | None = None
+
+
+def yardstick_prompts() -> list[Prompt]:
+    """The bundled yardstick set (module docstring), in file order: every prompt has an id and a category."""
+    return read_prompt_file("yardstick")
 
 
 def read_prompt_file(path: str | Path) -> list[Prompt]:
-    p = Path(path).expanduser()
+    """A JSONL prompt file, or the name of a bundled set (BUNDLED_PROMPTS, e.g. "yardstick") -> prompts."""
+    p = BUNDLED_PROMPTS.get(str(path), Path(path).expanduser())
     if not p.is_file():
-        raise PromptError(f"Prompt file {str(p)!r} does not exist; {FORMAT_HINT}.")
+        bundled = ", ".join(sorted(BUNDLED_PROMPTS))
+        raise PromptError(f"Prompt file {str(p)!r} does not exist; {FORMAT_HINT}, or name a bundled set ({bundled}).")
     prompts = []
     with open(p, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -70,14 +86,20 @@ def parse_record(record, where: str) -> Prompt:
     if isinstance(record, str):
         return Prompt("text", record)
     if isinstance(record, dict):
+        tags = {}
+        for key in ("category", "id"):
+            value = record.get(key)
+            if value is not None and not isinstance(value, str):
+                raise PromptError(f"{where}: \"{key}\" must be a string, not {type(value).__name__}.")
+            tags[key] = value
         turns = record.get("messages", record.get("conversations"))
         if isinstance(turns, list):
-            return Prompt("messages", chat_prompt(turns, where))
+            return Prompt("messages", chat_prompt(turns, where), **tags)
         if isinstance(record.get("prompt"), str):
-            return Prompt("text", record["prompt"])
+            return Prompt("text", record["prompt"], **tags)
         ids = record.get("input_ids")
         if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            return Prompt("ids", ids)
+            return Prompt("ids", ids, **tags)
     raise PromptError(f"{where} is not a prompt record; {FORMAT_HINT}.")
 
 

@@ -77,6 +77,8 @@ def format_summary(report) -> str:
         ("tau estimate (acc@k)", "", _fmt(s["tau_estimate"], ".2f") + "  training's metric on the greedy outputs"),
         ("lossless", "", verdict),
     ]
+    if s["tau_by_category"]:
+        rows.insert(-2, ("tau by category", "", "  ".join(f"{c} {t:.2f}" for c, t in s["tau_by_category"].items())))
     w0 = max(len(r[0]) for r in rows)
     head = (f"eval: {s['num_prompts']} prompts, max {s['max_new_tokens']} new tokens, T={s['temperature']:g}, "
             f"{s['device']}, {s['dtype']}, cuda graphs {'on' if s['cuda_graphs'] else 'off'}")
