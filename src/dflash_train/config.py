@@ -85,6 +85,19 @@ class DataConfig:
                                  "training reads that file: the drafter learns the target's own answers. Resumable: "
                                  "conversations already in the file are kept.")
     regenerate_max_new_tokens: int = _f(256, "data.regenerate: at most this many new tokens per assistant turn.")
+    self_prompts: int = _f(0, "data.regenerate: the target also writes this many user prompts of its own (sampled "
+                              "from its chat template's user-turn header, filtered: empty, truncated, too short, "
+                              "duplicate) into <out_dir>/self_prompts.jsonl, answers them like the other "
+                              "conversations, and training reads them too (on top of data.max_samples). Resumable. "
+                              "0 = off.")
+    self_prompt_max_tokens: int = _f(128, "data.self_prompts: a sampled prompt that has not ended after this many "
+                                          "tokens is dropped as truncated.")
+    mix: list[str] = _f([], "Train on several sources at once: entries 'source:weight' (a source as data.source takes "
+                            "it, e.g. a regenerated file; weight a positive number), e.g. [sharegpt:3, mine.jsonl:1]. "
+                            "Source i gets weight_i / sum of weights of the training conversations (data.max_samples "
+                            "in all, else as many as the sources hold together); one too small for its share is "
+                            "repeated. Entries without weights: every source's conversations once. Each source is "
+                            "split train/held-out as data.source is. Empty = data.source alone.")
 
     def __post_init__(self):
         if not 0.0 <= self.heldout_fraction < 1.0:
@@ -96,9 +109,45 @@ class DataConfig:
                               "chat file, or data.regenerate=false.")
         if self.regenerate_max_new_tokens < 1:
             raise ConfigError("data.regenerate_max_new_tokens must be at least 1.")
+        if self.self_prompts < 0 or self.self_prompt_max_tokens < 1:
+            raise ConfigError("data.self_prompts must be 0 (off) or positive and data.self_prompt_max_tokens at "
+                              f"least 1 (got {self.self_prompts} and {self.self_prompt_max_tokens}).")
+        if self.self_prompts and not self.regenerate:
+            raise ConfigError("data.self_prompts needs data.regenerate=true (the target answers its own prompts "
+                              "before training); set both, or data.self_prompts=0.")
+        if self.mix and self.regenerate:
+            raise ConfigError("data.regenerate rewrites data.source only, not a data.mix; regenerate each source "
+                              "with `dflash-train regenerate` and mix the files, or leave data.mix empty.")
+        self.mix_weights()  # a malformed entry fails here, with the config
         if not 1 <= self.synthetic_min_len <= self.synthetic_max_len:
             raise ConfigError("data.synthetic_min_len must be at least 1 and at most data.synthetic_max_len "
                               f"(got {self.synthetic_min_len} and {self.synthetic_max_len}).")
+
+
+    def mix_weights(self) -> list[tuple[str, float | None]]:
+        """data.mix -> [(source, weight)]; weight None for entries written without one (all or none have one)."""
+        out = []
+        for entry in self.mix:
+            source, sep, tail = str(entry).rpartition(":")
+            weight = None
+            if sep:
+                try:
+                    weight = float(tail)
+                except ValueError:
+                    weight = -1.0
+                if not weight > 0 or weight == float("inf"):
+                    raise ConfigError(f"data.mix entry {entry!r} must look like source:weight with a positive "
+                                      "weight, e.g. sharegpt:3.")
+            else:
+                source = str(entry)
+            if not source.strip() or source == "synthetic":
+                raise ConfigError(f"data.mix entry {entry!r} must name chat data (sharegpt or a .json/.jsonl file).")
+            out.append((source, weight))
+        if len({w is None for _, w in out}) > 1:
+            raise ConfigError("data.mix: give every entry a weight (source:weight) or none (each source once).")
+        if len({s for s, _ in out}) < len(out):
+            raise ConfigError("data.mix names a source twice; give it one entry with the sum of its weights.")
+        return out
 
 
 @dataclass
@@ -124,7 +173,17 @@ class TrainConfig:
     log_every: int = _f(10, "Print a step line every this many steps (metrics sync the GPU only then).")
     checkpoint_every: int = _f(500, "Save a checkpoint every this many steps (0 = only at the end).")
     keep_checkpoints: int = _f(3, "Keep the newest K step checkpoints.")
+    eval_every: int = _f(250, "Validate every this many steps and at the end: the drafter's loss, acc@k and tau "
+                              "estimate on fixed held-out rows (the run's held-out conversations, packed like "
+                              "training rows, anchors fixed once); drafter/ keeps the best step by that tau "
+                              "estimate, drafter_last/ the final one. 0 = off.")
+    eval_rows: int = _f(8, "Held-out rows (of token_budget tokens) each validation scores; its cost is about "
+                           "eval_rows / (3 * eval_every) of the training compute.")
     loss_chunk: int = _f(4096, "Block positions per LM-head chunk in the loss (bounds logits memory).")
+    kd_weight: float = _f(0.0, "Distillation: the loss is (1 - w) * CE on the data's next token + w * KD, KD being the "
+                               "cross-entropy against the target's own next-token distribution (its final hidden "
+                               "state through the frozen LM head, chunk by chunk). 0 = hard CE only (the target "
+                               "stops after its deepest tapped layer), 1 = KD only (the target runs every layer).")
     max_minutes: float | None = _f(None, "Time budget: stop after the first step that ends past this many minutes of "
                                          "training (loading, tokenizing and compile warm-up not counted), write the "
                                          "checkpoint and the drafter, and finish normally. The LR schedule keeps the "
@@ -142,8 +201,14 @@ class TrainConfig:
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError(f"train.max_minutes must be positive (got {self.max_minutes}); leave it empty for no "
                               "time limit.")
+        if self.eval_every < 0 or self.eval_rows < 0:
+            raise ConfigError("train.eval_every and train.eval_rows must be 0 (validation off) or positive "
+                              f"(got {self.eval_every} and {self.eval_rows}).")
         if len(self.betas) != 2:
             raise ConfigError("train.betas must be a list of two floats, e.g. [0.9, 0.95].")
+        if not 0.0 <= self.kd_weight <= 1.0:
+            raise ConfigError(f"train.kd_weight must be between 0 (hard cross-entropy only) and 1 (distillation "
+                              f"only) (got {self.kd_weight}).")
         for name, allowed in (("compile", ("auto", "eager", "default", "reduce-overhead")),
                               ("attention", ("auto", "sdpa", "flex")),
                               ("dtype", ("auto", "bf16", "fp32")),

@@ -38,6 +38,7 @@ from ..training.metrics import MetricsLogger
 from ..training.plots import write_training_plots
 from ..training.run import build_run, prepare_out_dir
 from ..training.step import resolve_compile_mode
+from ..training.validation import Validator, build_validation_rows
 from ..training.trainer import TrainResult
 from .devices import cpu_threads_per_worker, resolve_pipeline_devices
 from .distributed import DistributedSync, config_fingerprint, faults_apply_here
@@ -98,7 +99,8 @@ class _Pipeline:
             raise ConfigError("model.target_graphs=true needs CUDA target devices (CUDA graphs); set it to false "
                               "on CPU.")
         targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d,
-                               attention=cfg.model.target_attention) for d in target_devices]
+                               attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0)
+                   for d in target_devices]
         if state is None and not cfg.model.drafter_init:
             init_output_norm(init, targets[0].lm_head.weight)  # before replicas copy it: the same on every rank
         self.control = RunControl(faults)
@@ -110,6 +112,13 @@ class _Pipeline:
                                     cfg.train.token_budget * self.shard.global_replicas, cfg.train.log_every,
                                     start_step=self.start_step)
         try:
+            # Rank 0's replica 0 validates (the replicas are identical); its rows' features come from the target now.
+            rows = None
+            if peers.is_rank0:
+                pad_id = getattr(self.run_setup.tokenizer, "pad_token_id", None) or 0
+                rows = build_validation_rows(self.run_setup.data.heldout, cfg, targets[0], drafter_devices[0], pad_id)
+            self.validator = Validator(rows, self.run_setup.out_dir, cfg.train.eval_every,
+                                       self.run_setup.total_steps, self.logger)
             self._build_workers(targets, target_devices, drafter_devices, init, state, faults)
         except BaseException:
             self.logger.close()  # no thread has started yet: the open metrics file is all there is to close
@@ -132,7 +141,8 @@ class _Pipeline:
         self.targets = [TargetWorker(i, c, t, d, batches, feats, warm, graphs=cfg.model.target_graphs)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]
         self.reporter = StepReporter(self.logger, self.ckpt, cfg.train.checkpoint_every, self.run_setup.total_steps,
-                                     self.shard.global_replicas, batches, feats, self.targets, self.drafters)
+                                     self.shard.global_replicas, batches, feats, self.targets, self.drafters,
+                                     self.validator)
         self.drafters[0].reporter = self.reporter if self.peers.is_rank0 else None
         # Rank 0's clock alone decides; its decision reaches the other ranks in the next step's all-reduce.
         self.budget = TimeBudget(cfg.train.max_minutes if self.peers.is_rank0 else None,
@@ -169,15 +179,18 @@ class _Pipeline:
         self._check_replicas_identical()
         self.peers.bye([float(weights_checksum(d0.params)), sum(d0.checksums)],  # identical on every rank too
                        beat=self.watchdog.beat)
-        final = self.run_setup.out_dir / "drafter"
+        final, best = self.run_setup.out_dir / "drafter", None
         if self.peers.is_rank0:
             self._save(d0)
-            final = save_drafter(d0.drafter, final)
-            write_training_plots(self.run_setup.out_dir, self.logger.history)
+            final, best = self.validator.finish(save_drafter(d0.drafter, final))
+            write_training_plots(self.run_setup.out_dir, self.logger.history, self.logger.val_history)
+            log.info(self.validator.summary(d0.steps_done, self.budget.elapsed_s))
         ranks = f" x {self.peers.world} processes" if self.peers.enabled else ""
         log.info(f"done: {d0.steps_done} steps on {self.n} replica(s){ranks}; servable drafter in {final}")
         checksums = [list(c) for c in zip(*(d.checksums for d in self.drafters))]
         return PipelineResult(self.run_setup.out_dir, final, d0.steps_done, self.logger.history, d0.skipped_steps,
+                              self.logger.val_history, best,
+                              self.run_setup.out_dir / "drafter_last" if best else None,
                               replica_checksums=checksums, stage_fractions=self.reporter.run_fractions(),
                               replica_batches=[d.batch_indices for d in self.drafters])
 

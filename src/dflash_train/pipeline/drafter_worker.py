@@ -99,10 +99,12 @@ class DrafterWorker(Worker):
         are untouched and warm-up never changes training; the grads are zeroed."""
         cfg = self.run.cfg.train
         batch = dummy_batch(cfg.token_budget, cfg.num_anchors).to(self.device)
-        feats = torch.zeros(cfg.token_budget, self.drafter.fc.in_features, device=self.device,
-                            dtype=self.step_fn.dtype)  # [T, k*H]
+        feats = torch.zeros(cfg.token_budget, self.step_fn.feats_width, device=self.device,
+                            dtype=self.step_fn.dtype)  # [T, k*H], or [T, (k+1)*H] when distilling
         for _ in range(1 if self.step_fn.compile_mode == "eager" else 2):
             metrics = self.step_fn(batch, feats)
+        if self.reporter is not None:  # replica 0 validates: its forward-only step compiles now, not mid-run
+            self.reporter.validator.warm_up(self.step_fn)
         self.gradsync.prepare(self.replica, self.params, metrics)  # the all-reduce buffer's layout, before step 1
         self.optimizer.zero_grad(set_to_none=False)  # in place: DrafterStep's .grad buffers are persistent
 
@@ -135,6 +137,8 @@ class DrafterWorker(Worker):
             if self.budget is not None and self.budget.should_stop(self.steps_done, decider=self.replica == 0):
                 break  # every replica stops after the same step (see training/budget.py)
         self.flush_checksums()
+        if self.reporter is not None:
+            self.reporter.on_end(self)
         if self.replica == 0:
             self.gradsync.finish()
 

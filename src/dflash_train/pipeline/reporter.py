@@ -1,7 +1,8 @@
-"""Step reports of the pipeline: one log line per log step with the stages' wait/busy fractions, and checkpoints.
+"""Step reports of the pipeline: one log line per log step with the stages' wait/busy fractions, validation, and
+checkpoints.
 
-Runs on drafter replica 0's thread right after its optimizer step, so a checkpoint always holds the weights and
-optimizer state of one completed step while the other replicas wait at the next gradient average.
+Runs on drafter replica 0's thread right after its optimizer step, so a checkpoint (or a validation) always sees the
+weights and optimizer state of one completed step while the other replicas wait at the next gradient average.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ import time
 
 from ..training.checkpointing import CheckpointManager
 from ..training.metrics import MetricsLogger
+from ..training.validation import Validator
 from .worker import Worker
 
 
 class StepReporter:
     def __init__(self, logger: MetricsLogger, ckpt: CheckpointManager, checkpoint_every: int, total_steps: int,
                  batches_per_step: int, batch_queue: queue.Queue, feats_queue: queue.Queue,
-                 targets: list[Worker], drafters: list[Worker]):
+                 targets: list[Worker], drafters: list[Worker], validator: Validator):
         self.logger, self.ckpt, self.checkpoint_every = logger, ckpt, checkpoint_every
+        self.validator = validator
+        self._validated = -1  # the last step validated
         self.total_steps, self.batches_per_step = total_steps, batches_per_step
         self.batch_queue, self.feats_queue = batch_queue, feats_queue
         self.targets, self.drafters = targets, drafters
@@ -62,6 +66,19 @@ class StepReporter:
             extra["queues"] = f"{self.batch_queue.qsize()}/{self.feats_queue.qsize()}"
             extra["skipped"] = worker.skipped_steps
             self.logger.log(step, metrics, worker.scheduler.get_last_lr()[0], extra=extra)
+        if self.validator.due(step):
+            self._validate(worker, step)
         if self.checkpoint_every and step % self.checkpoint_every == 0 and step < self.total_steps:
             self.ckpt.save(step, worker.drafter, worker.optimizer, worker.scheduler,
                            data_position=step * self.batches_per_step)
+
+    def on_end(self, worker) -> None:
+        """After replica 0's last step (the last of the schedule, or a time-budget stop): validate it if not yet."""
+        if self.validator.enabled and self._validated != worker.steps_done:
+            self._validate(worker, worker.steps_done)
+
+    def _validate(self, worker, step: int) -> None:
+        train_tau = self.logger.history[-1]["tau_est"] if self.logger.history else None
+        with worker.clock.busy():
+            self.validator(step, worker.step_fn, worker.drafter, train_tau)
+        self._validated = step

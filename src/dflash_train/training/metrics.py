@@ -54,7 +54,8 @@ class MetricsLogger:
         self.out_dir = out_dir
         self._jsonl = None
         self._tb = None
-        self.history: list[dict] = []
+        self.history: list[dict] = []      # the logged training steps
+        self.val_history: list[dict] = []  # the validations (log_val)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(out_dir / "metrics.jsonl", "a")
@@ -80,7 +81,7 @@ class MetricsLogger:
         # Replicas' windows arrive averaged count by count (the ratios are not averaged): derive the ratios here.
         metrics = dict(metrics, **acceptance_from_counts(metrics["counts"].float()))
         acc = metrics["acc"].float().tolist()
-        rec = {"step": step, "loss": float(metrics["loss"]), "acc": acc,
+        rec = {"split": "train", "step": step, "loss": float(metrics["loss"]), "acc": acc,
                "cond_acc": metrics["cond_acc"].float().tolist(), "tau_est": float(metrics["tau_est"]),
                "lr": lr, "step_time_s": dt, "tokens_per_s": self.tokens_per_step / dt if dt > 0 else 0.0}
         if extra:
@@ -99,9 +100,7 @@ class MetricsLogger:
             line += f" | skipped {extra['skipped']}"
         log.info(line)
         self.history.append(rec)
-        if self._jsonl:
-            self._jsonl.write(json.dumps(rec) + "\n")
-            self._jsonl.flush()
+        self._write(rec)
         if self._tb:
             self._tb.add_scalar("train/loss", rec["loss"], step)
             self._tb.add_scalar("train/tau_est", rec["tau_est"], step)
@@ -110,6 +109,36 @@ class MetricsLogger:
             for k, a in enumerate(acc, start=1):
                 self._tb.add_scalar(f"acc/pos{k:02d}", a, step)
         return rec
+
+    def log_val(self, step: int, metrics: dict[str, torch.Tensor], extra: dict | None = None) -> dict:
+        """One validation (training/validation.py): a `val` line, a metrics.jsonl record with split "val", and
+        TensorBoard scalars under val/ (train/ and val/ share step numbers, so the curves overlay)."""
+        acc = metrics["acc"].float().tolist()
+        rec = {"split": "val", "step": step, "loss": float(metrics["loss"]), "acc": acc,
+               "cond_acc": metrics["cond_acc"].float().tolist(), "tau_est": float(metrics["tau_est"])}
+        rec.update(extra or {})
+        line = (f"val  {step:>6}/{self.total_steps} | loss {rec['loss']:.4f} | acc@1 {acc[0]:.3f} "
+                f"acc@4 {acc[min(3, len(acc) - 1)]:.3f} | tau~ {rec['tau_est']:.2f}")
+        if "best_step" in rec:
+            line += f" | best tau~ {rec['best_tau_est']:.2f} at step {rec['best_step']}"
+        log.info(line)
+        self.val_history.append(rec)
+        self._write(rec)
+        if self._tb:
+            self._tb.add_scalar("val/loss", rec["loss"], step)
+            self._tb.add_scalar("val/tau_est", rec["tau_est"], step)
+            for k, a in enumerate(acc, start=1):
+                self._tb.add_scalar(f"val_acc/pos{k:02d}", a, step)
+        return rec
+
+    def log_record(self, rec: dict) -> None:
+        """Any other record for metrics.jsonl (e.g. the measured acceptance after training)."""
+        self._write(rec)
+
+    def _write(self, rec: dict) -> None:
+        if self._jsonl:
+            self._jsonl.write(json.dumps(rec) + "\n")
+            self._jsonl.flush()
 
     def close(self):
         if self._jsonl:

@@ -19,6 +19,7 @@ from ..models.build import build_drafter
 from ..models.checkpoint import load_drafter
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetInfo, load_tokenizer, target_config_info
+from .validation import EPOCHS_WARN, data_passes_line
 
 log = logging.getLogger("dflash_train")
 RUN_CONFIG_NAME = "run_config.yaml"
@@ -112,6 +113,14 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
              f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params")
     log.info(f"data: {len(data.train)} train / {len(data.heldout)} held-out conversations, {rows_per_epoch} rows of "
              f"{cfg.train.token_budget} tokens per epoch; {total_steps} steps")
+    line, too_many = data_passes_line(len(data.train), sum(len(s.input_ids) for s in data.train),
+                                      sum(sum(s.loss_mask) for s in data.train),
+                                      total_steps * batches_per_step / rows_per_epoch)
+    log.info(line)
+    if too_many:
+        log.warning(f"{line.removeprefix('data: ')}: past {EPOCHS_WARN:g} epochs a drafter memorises its data and "
+                    "does worse on prompts it never saw; add data (data.regenerate with data.self_prompts, more "
+                    "conversations) or lower train.max_steps")
     if too_long := sum(len(s.input_ids) > cfg.train.token_budget for s in data.train):
         log.warning(f"{too_long} of {len(data.train)} training samples are longer than train.token_budget="
                     f"{cfg.train.token_budget} tokens: each is truncated to its first {cfg.train.token_budget} "

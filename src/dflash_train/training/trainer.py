@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -22,6 +22,7 @@ from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
 from .run import RunSetup, build_run
 from .step import DrafterStep
+from .validation import Validator, build_validation_rows
 
 log = logging.getLogger("dflash_train")
 
@@ -33,13 +34,16 @@ class TrainResult:
     steps: int
     history: list[dict]
     skipped_steps: int = 0  # steps whose update was skipped: non-finite loss/gradients, train.nonfinite=skip
+    val_history: list[dict] = field(default_factory=list)  # the validations (training/validation.py)
+    best: dict | None = None  # {"metric", "step", "value"} of the drafter in drafter_dir; None: the final weights
+    last_dir: Path | None = None  # the final weights when drafter_dir holds an earlier, better step
 
 
 def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResult:
     setup = setup or build_run(cfg)
     device = parse_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices")
     target = load_target(cfg.model.target, setup.drafter.config.target_layer_ids, device=device,
-                         attention=cfg.model.target_attention)
+                         attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0)
     ckpt = CheckpointManager(setup.out_dir, cfg.train.keep_checkpoints)
 
     drafter, state = resume_point(cfg.run.resume, ckpt, setup.drafter)
@@ -57,6 +61,9 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
     step_fn = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, cfg.train, device)
     logger = MetricsLogger(setup.out_dir, setup.total_steps, cfg.train.token_budget, cfg.train.log_every,
                            start_step=start_step)
+    pad_id = getattr(setup.tokenizer, "pad_token_id", None) or 0
+    validator = Validator(build_validation_rows(setup.data.heldout, cfg, target, device, pad_id), setup.out_dir,
+                          cfg.train.eval_every, setup.total_steps, logger)
     step = start_step
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     window = StepWindow()  # the steps since the last log line
@@ -72,14 +79,18 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResu
             stop = budget.should_stop(step)
             if logger.should_log(step) or stop:  # a time-budget stop logs its last window too (log, plots)
                 logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
+            if validator.due(step) or (stop and validator.enabled):
+                validator(step, step_fn, drafter, logger.history[-1]["tau_est"] if logger.history else None)
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
                 ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
             if stop:
                 break
         ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
-        final = save_drafter(drafter, setup.out_dir / "drafter")
+        final, best = validator.finish(save_drafter(drafter, setup.out_dir / "drafter"))
     finally:
         logger.close()
-    write_training_plots(setup.out_dir, logger.history)
+    write_training_plots(setup.out_dir, logger.history, logger.val_history)
+    log.info(validator.summary(step, budget.elapsed_s))
     log.info(f"done: {step} steps; servable drafter in {final}")
-    return TrainResult(setup.out_dir, final, step, logger.history, update.skipped(step))
+    return TrainResult(setup.out_dir, final, step, logger.history, update.skipped(step), logger.val_history, best,
+                       setup.out_dir / "drafter_last" if best else None)
