@@ -99,6 +99,20 @@ class DataConfig:
                             "repeated. Entries without weights: every source's conversations once. Each source is "
                             "split train/held-out as data.source is. Empty = data.source alone.")
 
+    self_prompts: int = _f(0, "data.regenerate: the target also writes this many user prompts of its own (sampled "
+                              "from its chat template's user-turn header, filtered: empty, truncated, too short, "
+                              "duplicate) into <out_dir>/self_prompts.jsonl, answers them like the other "
+                              "conversations, and training reads them too (on top of data.max_samples). Resumable. "
+                              "0 = off.")
+    self_prompt_max_tokens: int = _f(128, "data.self_prompts: a sampled prompt that has not ended after this many "
+                                          "tokens is dropped as truncated.")
+    mix: list[str] = _f([], "Train on several sources at once: entries 'source:weight' (a source as data.source takes "
+                            "it, e.g. a regenerated file; weight a positive number), e.g. [sharegpt:3, mine.jsonl:1]. "
+                            "Source i gets weight_i / sum of weights of the training conversations (data.max_samples "
+                            "in all, else as many as the sources hold together); one too small for its share is "
+                            "repeated. Entries without weights: every source's conversations once. Each source is "
+                            "split train/held-out as data.source is. Empty = data.source alone.")
+
     def __post_init__(self):
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ConfigError("data.heldout_fraction must be in [0, 1).")
@@ -119,9 +133,45 @@ class DataConfig:
             raise ConfigError("data.regenerate rewrites data.source only, not a data.mix; regenerate each source "
                               "with `dflash-train regenerate` and mix the files, or leave data.mix empty.")
         self.mix_weights()  # a malformed entry fails here, with the config
+        if self.self_prompts < 0 or self.self_prompt_max_tokens < 1:
+            raise ConfigError("data.self_prompts must be 0 (off) or positive and data.self_prompt_max_tokens at "
+                              f"least 1 (got {self.self_prompts} and {self.self_prompt_max_tokens}).")
+        if self.self_prompts and not self.regenerate:
+            raise ConfigError("data.self_prompts needs data.regenerate=true (the target answers its own prompts "
+                              "before training); set both, or data.self_prompts=0.")
+        if self.mix and self.regenerate:
+            raise ConfigError("data.regenerate rewrites data.source only, not a data.mix; regenerate each source "
+                              "with `dflash-train regenerate` and mix the files, or leave data.mix empty.")
+        self.mix_weights()  # a malformed entry fails here, with the config
         if not 1 <= self.synthetic_min_len <= self.synthetic_max_len:
             raise ConfigError("data.synthetic_min_len must be at least 1 and at most data.synthetic_max_len "
                               f"(got {self.synthetic_min_len} and {self.synthetic_max_len}).")
+
+
+    def mix_weights(self) -> list[tuple[str, float | None]]:
+        """data.mix -> [(source, weight)]; weight None for entries written without one (all or none have one)."""
+        out = []
+        for entry in self.mix:
+            source, sep, tail = str(entry).rpartition(":")
+            weight = None
+            if sep:
+                try:
+                    weight = float(tail)
+                except ValueError:
+                    weight = -1.0
+                if not weight > 0 or weight == float("inf"):
+                    raise ConfigError(f"data.mix entry {entry!r} must look like source:weight with a positive "
+                                      "weight, e.g. sharegpt:3.")
+            else:
+                source = str(entry)
+            if not source.strip() or source == "synthetic":
+                raise ConfigError(f"data.mix entry {entry!r} must name chat data (sharegpt or a .json/.jsonl file).")
+            out.append((source, weight))
+        if len({w is None for _, w in out}) > 1:
+            raise ConfigError("data.mix: give every entry a weight (source:weight) or none (each source once).")
+        if len({s for s, _ in out}) < len(out):
+            raise ConfigError("data.mix names a source twice; give it one entry with the sum of its weights.")
+        return out
 
 
     def mix_weights(self) -> list[tuple[str, float | None]]:

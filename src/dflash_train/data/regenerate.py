@@ -478,6 +478,9 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     log.info(f"data.regenerate: {batch} conversations per batch on each device")
     regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
                        total=total, replace_mismatch=cfg.run.overwrite)
+    if d.self_prompts:  # prompts the target writes itself, answered into the same file (generation/self_prompts.py)
+        from ..generation.self_prompts import answer_self_prompts
+        d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings)
     del models
     gc.collect()  # the runners' reference cycles hold the models, caches and graph pools until collected
     if cuda:

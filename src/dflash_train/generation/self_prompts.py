@@ -1,0 +1,301 @@
+"""Prompts the target writes itself (the technique published as Magpie, arXiv 2406.08464): a chat model given its
+template's user-turn header and no content writes a user turn of the kind it was trained to answer.
+
+  chat template on a sentinel user message -> the "pre-query" prefix: the template's tokens before the content
+    -> sampled continuations in batches (temperature, stop at the end-of-turn token), one function: sample_user_turns
+    -> filtered: empty, truncated (no end of turn within max_new_tokens), too short, non-printable, special tokens
+       inside, duplicates (normalised text, also of the prompts already in the file)
+    -> {"id": "self_<n>", "messages": [{"role": "user", "content": ...}], "batch": j} JSONL, flushed per batch
+
+Reproducible per seed: batch j samples with its own generator seeded from (seed, j), and prompts are kept in batch
+order, so the first k prompts of a file do not depend on how many were asked for or where a run was resumed.
+Resumable: a rerun drops the records of the file's last batch (a crash may have cut them) and samples again from
+that batch on. A side file `<out>.meta.json` records the settings (the batch size too: it changes what a batch
+draws); a file written with other settings is never silently extended.
+
+data.self_prompts (answer_self_prompts) then has the target answer the prompts like any other conversation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import jinja2
+import torch
+
+from ..errors import UserError
+
+log = logging.getLogger("dflash_train")
+
+SENTINELS = ("XQZSENTINELONE", "JWVSENTINELTWO")  # different first characters: their first tokens differ
+TEMPERATURE = 1.0     # data.self_prompts samples at this temperature (Magpie samples at 1.0)
+MIN_CHARS = 8         # a kept prompt has at least this many characters (stripped)
+MAX_SAMPLED = 4       # sampling gives up after MAX_SAMPLED x the wanted number of rows (a target that writes few
+                      # usable prompts must not sample forever)
+
+
+@dataclass
+class UserTurnTemplate:
+    """Where a user turn's content goes in the target's chat template."""
+    prefix_ids: list[int]  # the template's tokens before the user's content: what sampling continues from
+    prefix_text: str       # the template's text before the content (prefix_ids decode to it, up to whitespace)
+    end_id: int            # the special token that closes a user turn (e.g. <|im_end|>, <|eot_id|>)
+
+
+@dataclass
+class SelfPromptSettings:
+    """What makes two self-prompt files interchangeable (stored in <out>.meta.json)."""
+    target: str
+    seed: int
+    batch_size: int
+    max_new_tokens: int
+    temperature: float = TEMPERATURE
+    min_chars: int = MIN_CHARS
+
+
+@dataclass
+class SelfPromptStats:
+    kept: int = 0          # in the file after this call
+    written: int = 0       # by this call
+    sampled: int = 0       # rows sampled by this call
+    dropped: Counter = field(default_factory=Counter)  # reason -> rows
+
+    def line(self) -> str:
+        dropped = ", ".join(f"{k}={n}" for k, n in sorted(self.dropped.items())) or "none"
+        return (f"self-written prompts: {self.written} new from {self.sampled} sampled "
+                f"({self.written / max(self.sampled, 1):.0%} kept; dropped: {dropped}); {self.kept} in the file")
+
+
+def _render(tokenizer, content: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=False)
+
+
+def user_turn_template(tokenizer) -> UserTurnTemplate:
+    """The pre-query prefix of the tokenizer's chat template, from two renders of one user message with different
+    sentinel contents: the text before the content must be the same in both (it is the prefix), and the prefix's
+    tokens are the tokens the two renders share (a tokenizer that merges the header's last space into the content's
+    first token leaves that space to the sampled text). The end-of-turn token is the special token that follows the
+    content. Anything else is a template that gives no clean prefix: one error."""
+    name = getattr(tokenizer, "name_or_path", "") or "the target"
+    try:
+        texts = [_render(tokenizer, s) for s in SENTINELS]
+    except (jinja2.TemplateError, ValueError) as e:  # no template, or one that refuses a lone user message
+        raise UserError(f"The chat template of {name!r} cannot render a lone user message ({e}); self-written "
+                        "prompts (data.self_prompts) need a chat model's template.") from None
+    starts = [t.find(s) for t, s in zip(texts, SENTINELS)]
+    if any(i < 0 or t.count(s) != 1 for i, t, s in zip(starts, texts, SENTINELS)):
+        raise UserError(f"The chat template of {name!r} does not write a user message's content exactly once, so it "
+                        "has no user-turn prefix to sample from; set data.self_prompts=0.")
+    prefix = texts[0][:starts[0]]
+    suffix = texts[0][starts[0] + len(SENTINELS[0]):]
+    if texts[1][:starts[1]] != prefix or texts[1][starts[1] + len(SENTINELS[1]):] != suffix:
+        raise UserError(f"The chat template of {name!r} renders a user turn's header differently for different "
+                        "contents, so it has no fixed user-turn prefix to sample from; set data.self_prompts=0.")
+    encs = [tokenizer(t, add_special_tokens=False, return_offsets_mapping=True) for t in texts]
+    ids, offsets = encs[0]["input_ids"], encs[0]["offset_mapping"]
+    n = 0
+    while n < min(len(ids), len(encs[1]["input_ids"])) and ids[n] == encs[1]["input_ids"][n]:
+        n += 1
+    covered = offsets[n - 1][1] if n else 0
+    if n == 0 or covered > len(prefix) or prefix[covered:].strip():
+        raise UserError(f"The tokens of {name!r}'s chat template do not end where a user's content begins (the "
+                        "header's text merges into the content's first token), so sampling has no clean prefix; "
+                        "set data.self_prompts=0.")
+    special = special_token_ids(tokenizer)
+    content_end = len(prefix) + len(SENTINELS[0])
+    for tok, (a, b) in zip(ids, offsets):  # the first token after the content that is not just whitespace
+        if a < content_end or (tok not in special and not texts[0][a:b].strip()):
+            continue
+        if tok in special:
+            return UserTurnTemplate(list(ids[:n]), prefix, int(tok))
+        break
+    raise UserError(f"The chat template of {name!r} does not close a user turn with a special token (after the "
+                    f"content it writes {suffix[:24]!r}), so a sampled user turn has no end; self-written prompts "
+                    "need a template like ChatML, Llama-3's or Qwen's; set data.self_prompts=0.")
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return ids | set(tokenizer.all_special_ids)
+
+
+def sample_user_turns(hf, prefix_ids: list[int], rows: int, max_new_tokens: int, stop_ids, temperature: float,
+                      generator: torch.Generator, pad_id: int = 0, runner=None) -> list[list[int]]:
+    """`rows` sampled continuations of prefix_ids (each ends after its first stop token, kept; a row that reached
+    max_new_tokens first has none). The one place self-prompts are decoded: swap the engine here. runner: a
+    BatchGenerator built for rows x (prefix + max_new_tokens), reused across calls."""
+    from ..inference.baseline import BatchGenerator
+
+    runner = runner or BatchGenerator(hf, rows, len(prefix_ids) + max_new_tokens)
+    return runner.generate([prefix_ids] * rows, max_new_tokens, stop_ids, temperature, generator, pad_id)
+
+
+def normalised(text: str) -> str:
+    """The duplicate key: casefolded words, punctuation and spacing ignored."""
+    return " ".join(re.findall(r"\w+", text.casefold()))
+
+
+def judge(tokens: list[int], text: str, stop_ids: set[int], special_ids: set[int], min_chars: int) -> str | None:
+    """Why a sampled user turn is dropped (None: kept, but for duplicates, which the caller checks).
+    tokens: the sampled ids (the stop token last, if any); text: the content, decoded and stripped."""
+    if not tokens or tokens[-1] not in stop_ids:
+        return "truncated"
+    if any(t in special_ids for t in tokens[:-1]):
+        return "special_token"  # e.g. the model wrote the next turn's header itself
+    if not text:
+        return "empty"
+    if any(not (c.isprintable() or c in "\n\t") for c in text) or "\ufffd" in text:
+        return "non_printable"  # control characters, or bytes that are not UTF-8 text
+    if len(text) < min_chars:
+        return "too_short"
+    return None
+
+
+def batch_generator(seed: int, batch: int, device) -> torch.Generator:
+    """Batch `batch`'s own generator: the same draws whether or not the run was resumed before it."""
+    h = int.from_bytes(hashlib.sha1(f"self_prompts:{seed}:{batch}".encode()).digest()[:8], "big")
+    return torch.Generator(device=device).manual_seed(h)
+
+
+def _check_settings(out_path: Path, settings: SelfPromptSettings, replace: bool) -> None:
+    meta = out_path.with_suffix(".meta.json")
+    want = dataclasses.asdict(settings)
+    if out_path.is_file() and out_path.stat().st_size > 0:
+        have = json.loads(meta.read_text()) if meta.is_file() else None
+        if have != want:
+            if not replace:
+                diff = "unknown settings" if have is None else ", ".join(
+                    f"{k}={have.get(k)!r} (now {v!r})" for k, v in want.items() if have.get(k) != v)
+                raise UserError(f"{out_path} holds self-written prompts made with other settings ({diff}); use "
+                                "another run.out_dir, delete the file, or pass run.overwrite=true to start over.")
+            log.warning(f"{out_path} was written with other settings: starting over")
+            out_path.unlink()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps(want, indent=2) + "\n")
+
+
+def _resume(out_path: Path) -> tuple[list[dict], int]:
+    """The records to keep and the batch to sample next: every record but the last batch's (which a crash may
+    have cut), rewritten without them."""
+    if not out_path.is_file():
+        return [], 0
+    records = []
+    for line in out_path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a line cut by a crash: only the last batch's records can follow it
+    if not records:
+        return [], 0
+    last = max(int(r["batch"]) for r in records)
+    kept = [r for r in records if int(r["batch"]) < last]
+    out_path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept), encoding="utf-8")
+    return kept, last
+
+
+@torch.no_grad()
+def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings: SelfPromptSettings,
+                       replace: bool = False) -> SelfPromptStats:
+    """Sample until out_path holds `count` self-written prompts (or MAX_SAMPLED x count rows were sampled in all);
+    appended, flushed after every batch, resumable."""
+    from ..inference.baseline import BatchGenerator
+    from ..inference.benchmark import stop_token_ids
+
+    out_path = Path(out_path)
+    tpl = user_turn_template(tokenizer)
+    stop = {tpl.end_id, *stop_token_ids(hf, tokenizer)}
+    special = special_token_ids(tokenizer)
+    _check_settings(out_path, settings, replace)
+    kept, batch = _resume(out_path)
+    stats = SelfPromptStats(kept=len(kept))
+    seen = {normalised(r["messages"][0]["content"]) for r in kept}
+    b = settings.batch_size
+    last_batch = math.ceil(MAX_SAMPLED * count / b)
+    if stats.kept >= count or batch >= last_batch:
+        return stats
+    device = hf.get_input_embeddings().weight.device
+    runner = BatchGenerator(hf, b, len(tpl.prefix_ids) + settings.max_new_tokens)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    with open(out_path, "a", encoding="utf-8") as f:
+        while stats.kept < count and batch < last_batch:
+            rows = sample_user_turns(hf, tpl.prefix_ids, b, settings.max_new_tokens, sorted(stop),
+                                     settings.temperature, batch_generator(settings.seed, batch, device), pad_id,
+                                     runner)
+            stats.sampled += len(rows)
+            lines = []
+            for tokens in rows:
+                body = tokens[:-1] if tokens and tokens[-1] in stop else tokens
+                text = tokenizer.decode(body, skip_special_tokens=False).strip()
+                reason = judge(tokens, text, stop, special, settings.min_chars)
+                key = normalised(text)
+                if reason is None and key in seen:
+                    reason = "duplicate"
+                if reason is None and stats.kept >= count:
+                    reason = "not_needed"  # the last batch drew more than asked for
+                if reason is not None:
+                    stats.dropped[reason] += 1
+                    continue
+                seen.add(key)
+                lines.append(json.dumps({"id": f"self_{stats.kept}", "messages": [{"role": "user", "content": text}],
+                                         "batch": batch}, ensure_ascii=False) + "\n")
+                stats.kept += 1
+                stats.written += 1
+            f.write("".join(lines))
+            f.flush()
+            batch += 1
+    log.info(stats.line())
+    if stats.kept < count:
+        log.warning(f"only {stats.kept} of the {count} self-written prompts asked for passed the filters after "
+                    f"{last_batch * b} sampled rows; training uses those")
+    return stats
+
+
+def read_self_prompts(path: str | Path, count: int | None = None) -> list[dict]:
+    """The first `count` records of a self-prompt file (all when None)."""
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return records if count is None else records[:count]
+
+
+def self_prompt_items(records: list[dict]) -> Iterator[tuple[str, object, bool]]:
+    """Self-prompt records as regeneration items ((id, conversation, regenerate?), data/regenerate.py): the id
+    `self_<n>_0` keys the conversation as `self_<n>` for the train/held-out split (the `<key>_<n>` rule of source
+    record ids), and an empty assistant turn marks the reply that is due (the target writes it; it is never shown)."""
+    from ..data.sources import Conversation
+
+    for r in records:
+        messages = [r["messages"][0], {"role": "assistant", "content": ""}]
+        yield f"{r['id']}_0", Conversation(key=r["id"], messages=messages), True
+
+
+def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, regenerated: Path, settings):
+    """data.self_prompts (called by regenerate_for_run with its loaded models): write <out_dir>/self_prompts.jsonl
+    with the first model, have every model answer them into the run's regenerated file (greedy, like the other
+    conversations; resumable), and return the DataConfig that also reads them."""
+    from ..data.regenerate import regenerate_dataset
+
+    d = cfg.data
+    path = Path(out_dir) / "self_prompts.jsonl"
+    log.info(f"data.self_prompts: the target writes {d.self_prompts} prompts of its own into {path}")
+    own = SelfPromptSettings(target=settings.target, seed=cfg.train.seed, batch_size=batch_size,
+                             max_new_tokens=d.self_prompt_max_tokens)
+    if path.is_file() and path.with_suffix(".meta.json").is_file():
+        # the batch size changes what each batch draws: a resumed file keeps the one it was written with
+        own.batch_size = json.loads(path.with_suffix(".meta.json").read_text()).get("batch_size", batch_size)
+    write_self_prompts(models[0], tokenizer, path, d.self_prompts, own, replace=cfg.run.overwrite)
+    records = read_self_prompts(path, d.self_prompts)
+    regenerate_dataset(models, tokenizer, self_prompt_items(records), regenerated, settings, batch_size=batch_size,
+                       total=len(records))
+    # The loader takes the first max_samples training-side conversations of the file: room for the new ones too.
+    more = None if d.max_samples is None else d.max_samples + len(records)
+    return dataclasses.replace(d, max_samples=more, self_prompts=0)  # what to read: every prompt is answered

@@ -1,0 +1,225 @@
+"""Prompts the target writes itself (generation/self_prompts.py) and several data sources mixed with weights."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.errors import UserError
+from dflash_train.generation.self_prompts import (SelfPromptSettings, judge, normalised, user_turn_template,
+                                                  write_self_prompts)
+from tiny_chat import CHATML, make_byte_tokenizer, make_tiny_chat_target, write_chats
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run fastest on one thread
+
+QWEN_DEFAULT_SYSTEM = (
+    "{%- if messages[0].role != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+LLAMA3 = (
+    "{{- bos_token }}{%- for m in messages %}"
+    "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}")
+
+
+def tokenizer_with(template: str, specials=()):
+    tok = make_byte_tokenizer()
+    if specials:
+        tok.add_tokens(list(specials), special_tokens=True)
+    tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    return make_tiny_chat_target(tmp_path_factory.mktemp("tiny_chat"))
+
+
+def letter_lm(path: str, tok, alphabet: str = "ab ", p_end: float = 0.15):
+    """The tiny target with an LM head that ignores the context: each next token is one of `alphabet`'s bytes
+    (uniform) or <|im_end|> with probability p_end. Short strings over few letters: duplicates, truncated and too
+    short rows all occur, and what is kept is printable text."""
+    from dflash_train.models.target import load_causal_lm
+
+    hf = load_causal_lm(path, "cpu")
+    bias = torch.full((hf.config.vocab_size,), -1e4)
+    for ch in alphabet:
+        (i,) = tok.encode(ch, add_special_tokens=False)
+        bias[i] = math.log((1 - p_end) / len(alphabet))
+    bias[tok.convert_tokens_to_ids("<|im_end|>")] = math.log(p_end)
+    head = torch.nn.Linear(hf.config.hidden_size, hf.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(bias)
+    hf.lm_head = head
+    return hf
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------ the prefix
+
+@pytest.mark.parametrize("template,specials,prefix,end", [
+    (CHATML, (), "<|im_start|>user\n", "<|im_end|>"),
+    (QWEN_DEFAULT_SYSTEM, (), "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n",
+     "<|im_end|>"),
+    (LLAMA3, ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+     "<|im_start|><|start_header_id|>user<|end_header_id|>\n\n", "<|eot_id|>"),  # bos = <|im_start|> here
+], ids=["chatml", "qwen_default_system", "llama3"])
+def test_prefix_is_the_template_up_to_the_user_content(template, specials, prefix, end):
+    tok = tokenizer_with(template, specials)
+    tpl = user_turn_template(tok)
+    assert tpl.prefix_text == prefix
+    assert tok.decode(tpl.prefix_ids) == prefix
+    full = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], tokenize=False)
+    ids = tok(full, add_special_tokens=False)["input_ids"]
+    assert ids[:len(tpl.prefix_ids)] == tpl.prefix_ids  # the prompt's tokens start with exactly these
+    assert tok.convert_ids_to_tokens(tpl.end_id) == end
+
+
+@pytest.mark.parametrize("template,match", [
+    ("{% for m in messages %}<|im_start|>{{ m.role }}\nsomething<|im_end|>{% endfor %}", "exactly once"),
+    ("{% for m in messages %}{{ m.content }} {{ m.content }}<|im_end|>{% endfor %}", "exactly once"),
+    ("{% for m in messages %}<|im_start|>{{ m.content[0] }}\n{{ m.content }}<|im_end|>{% endfor %}",
+     "differently for different contents"),
+    ("{% for m in messages %}User: {{ m.content }}\n{% endfor %}", "special token"),
+    ("{% for m in messages %}{{ raise_exception('no lone user turns') }}{% endfor %}", "cannot render"),
+], ids=["drops_content", "content_twice", "header_depends_on_content", "no_end_token", "refuses"])
+def test_a_template_without_a_clean_prefix_is_one_error(template, match):
+    with pytest.raises(UserError, match=match):
+        user_turn_template(tokenizer_with(template))
+
+
+def test_a_tokenizer_without_a_template_is_one_error():
+    tok = make_byte_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(UserError, match="cannot render a lone user message"):
+        user_turn_template(tok)
+
+
+# ------------------------------------------------------------------------------------------ the filters
+
+def test_the_filters_drop_truncated_special_empty_nonprintable_and_short_turns():
+    stop, special = {9}, {7, 9}
+    assert judge([1, 2, 3, 9], "What is a monad?", stop, special, 8) is None
+    assert judge([1, 2, 3], "What is a monad?", stop, special, 8) == "truncated"   # no end of turn
+    assert judge([], "", stop, special, 8) == "truncated"
+    assert judge([1, 7, 2, 9], "What is a monad?", stop, special, 8) == "special_token"
+    assert judge([9], "", stop, special, 8) == "empty"
+    assert judge([1, 9], "What\x07 is it?", stop, special, 8) == "non_printable"
+    assert judge([1, 9], "What \ufffd is it?", stop, special, 8) == "non_printable"  # bytes that are not UTF-8
+    assert judge([1, 9], "Line one\n\tline two", stop, special, 8) is None          # newlines and tabs are text
+    assert judge([1, 9], "Why?", stop, special, 8) == "too_short"
+    assert normalised("  What IS a monad?! ") == normalised("what is a   monad") == "what is a monad"
+
+
+# ------------------------------------------------------------------------------------------ sampling
+
+def settings(seed=0, batch_size=8) -> SelfPromptSettings:
+    return SelfPromptSettings(target="tiny", seed=seed, batch_size=batch_size, max_new_tokens=6, min_chars=2)
+
+
+def test_self_prompts_are_filtered_reproducible_per_seed_and_resumable(chat_target, tmp_path):
+    tok = make_byte_tokenizer()
+    hf = letter_lm(chat_target, tok, alphabet="ab", p_end=0.3)
+    out = tmp_path / "a.jsonl"
+    stats = write_self_prompts(hf, tok, out, 12, settings())
+    records = _lines(out)
+    assert stats.kept == stats.written == len(records) == 12
+    assert [r["id"] for r in records] == [f"self_{i}" for i in range(12)]
+    texts = [r["messages"][0]["content"] for r in records]
+    assert all(r["messages"] == [{"role": "user", "content": t}] for r, t in zip(records, texts))
+    assert all(len(t) >= 2 and set(t) <= set("ab") for t in texts)
+    assert len({normalised(t) for t in texts}) == 12
+    # This alphabet and p_end make each kind of drop common: a test that would pass with no filter cannot.
+    assert stats.dropped["duplicate"] > 0 and stats.dropped["truncated"] > 0 and stats.dropped["too_short"] > 0
+    assert stats.sampled == stats.written + sum(stats.dropped.values())
+
+    # Same seed: the same file; another seed: another one.
+    write_self_prompts(hf, tok, tmp_path / "b.jsonl", 12, settings())
+    assert (tmp_path / "b.jsonl").read_text() == out.read_text()
+    write_self_prompts(hf, tok, tmp_path / "c.jsonl", 12, settings(seed=1))
+    assert (tmp_path / "c.jsonl").read_text() != out.read_text()
+
+    # Asked for 5, then for 12: the file an uninterrupted run writes.
+    grown = tmp_path / "grown.jsonl"
+    assert write_self_prompts(hf, tok, grown, 5, settings()).kept == 5
+    assert [r["messages"] for r in _lines(grown)] == [r["messages"] for r in records[:5]]
+    write_self_prompts(hf, tok, grown, 12, settings())
+    assert grown.read_text() == out.read_text()
+
+    # A crash cut the last line: that batch is sampled again, and the result is the same file.
+    data = out.read_text()
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(data[: len(data) - 7])
+    (tmp_path / "cut.meta.json").write_text(out.with_suffix(".meta.json").read_text())
+    write_self_prompts(hf, tok, cut, 12, settings())
+    assert cut.read_text() == data
+
+    # Other settings: refused, not extended.
+    with pytest.raises(UserError, match="other settings.*batch_size=8 \\(now 4\\)"):
+        write_self_prompts(hf, tok, out, 12, settings(batch_size=4))
+
+
+def test_sampling_gives_up_when_the_target_writes_no_usable_prompt(chat_target, tmp_path, caplog):
+    tok = make_byte_tokenizer()
+    hf = letter_lm(chat_target, tok, alphabet="a", p_end=0.999)  # nearly always an empty turn
+    with caplog.at_level("WARNING", logger="dflash_train"):
+        stats = write_self_prompts(hf, tok, tmp_path / "none.jsonl", 4, settings(batch_size=4))
+    assert stats.sampled == 16 and stats.kept <= 1  # MAX_SAMPLED x 4 rows, then a warning
+    assert "passed the filters" in caplog.text
+
+
+def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversations(chat_target, tmp_path,
+                                                                                     monkeypatch):
+    """data.regenerate + data.self_prompts through regenerate_for_run: the prompts are written, answered by the
+    target into regenerated.jsonl, and come back from the chat data loader as user + assistant samples."""
+    import dflash_train.models.target as target_mod
+    from dflash_train.config import build_config
+    from dflash_train.data.conversations import ChatEncoder
+    from dflash_train.data.dataset import load_dataset
+    from dflash_train.data.regenerate import regenerate_for_run
+
+    tok = make_byte_tokenizer()
+    hf = letter_lm(chat_target, tok, p_end=0.08)
+    monkeypatch.setattr(target_mod, "load_causal_lm", lambda target, device: hf)
+    data = write_chats(tmp_path / "chats.jsonl", 6)
+    cfg = build_config({"model": {"target": chat_target},
+                        "data": {"source": str(data), "regenerate": True, "self_prompts": 5, "max_samples": 3,
+                                 "heldout_fraction": 0.0, "regenerate_max_new_tokens": 8,
+                                 "self_prompt_max_tokens": 24},
+                        "pipeline": {"target_devices": ["cpu"], "drafter_devices": ["cpu"]},
+                        "run": {"out_dir": str(tmp_path / "run")}})
+    d = regenerate_for_run(cfg, tmp_path / "run", tok)
+    assert d.max_samples == 3 + 5 and not d.regenerate
+    prompts = _lines(tmp_path / "run" / "self_prompts.jsonl")
+    assert len(prompts) == 5
+    regen = {r["id"]: r for r in _lines(tmp_path / "run" / "regenerated.jsonl")}
+    for p in prompts:
+        messages = regen[f"{p['id']}_0"]["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant"]
+        assert messages[0] == p["messages"][0] and messages[1]["content"]
+    split = load_dataset(d, tok, cache_dir="")
+    assert len(split.train) == 3 + 5
+    encoder = ChatEncoder(tok, 512)
+    by_text = {tuple(s.input_ids): s for s in split.train}
+    for p in prompts:
+        messages = regen[f"{p['id']}_0"]["messages"]
+        sample = by_text[tuple(encoder.encode([messages])[0].input_ids)]
+        text = tok.decode(sample.input_ids)
+        assert text == (f"<|im_start|>user\n{messages[0]['content']}<|im_end|>\n"
+                        f"<|im_start|>assistant\n{messages[1]['content']}<|im_end|>\n")
+        trained = tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+        assert trained == messages[1]["content"] + "<|im_end|>"  # the answer and its end, never the prompt
+    # A rerun resumes: nothing is sampled or answered again.
+    before = (tmp_path / "run" / "regenerated.jsonl").read_text()
+    regenerate_for_run(cfg, tmp_path / "run", tok)
+    assert (tmp_path / "run" / "regenerated.jsonl").read_text() == before
