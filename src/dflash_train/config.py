@@ -85,20 +85,11 @@ class DataConfig:
                                  "training reads that file: the drafter learns the target's own answers. Resumable: "
                                  "conversations already in the file are kept.")
     regenerate_max_new_tokens: int = _f(256, "data.regenerate: at most this many new tokens per assistant turn.")
-    self_prompts: int = _f(0, "data.regenerate: the target also writes this many user prompts of its own (sampled "
-                              "from its chat template's user-turn header, filtered: empty, truncated, too short, "
-                              "duplicate) into <out_dir>/self_prompts.jsonl, answers them like the other "
-                              "conversations, and training reads them too (on top of data.max_samples). Resumable. "
-                              "0 = off.")
-    self_prompt_max_tokens: int = _f(128, "data.self_prompts: a sampled prompt that has not ended after this many "
-                                          "tokens is dropped as truncated.")
-    mix: list[str] = _f([], "Train on several sources at once: entries 'source:weight' (a source as data.source takes "
-                            "it, e.g. a regenerated file; weight a positive number), e.g. [sharegpt:3, mine.jsonl:1]. "
-                            "Source i gets weight_i / sum of weights of the training conversations (data.max_samples "
-                            "in all, else as many as the sources hold together); one too small for its share is "
-                            "repeated. Entries without weights: every source's conversations once. Each source is "
-                            "split train/held-out as data.source is. Empty = data.source alone.")
-
+    eval_prompts: str = _f("heldout", "Prompts of the measurement after training (train.final_eval_prompts): "
+                                      "'heldout' (the run's held-out conversations, up to their first answer), "
+                                      "'yardstick' (the bundled prompts of another source: writing, roleplay, "
+                                      "reasoning, math, coding, extraction, STEM, humanities), or a .json/.jsonl "
+                                      "prompt file of your own (the fairest test: prompts from another source).")
     self_prompts: int = _f(0, "data.regenerate: the target also writes this many user prompts of its own (sampled "
                               "from its chat template's user-turn header, filtered: empty, truncated, too short, "
                               "duplicate) into <out_dir>/self_prompts.jsonl, answers them like the other "
@@ -121,18 +112,11 @@ class DataConfig:
         if self.regenerate and self.source == "synthetic":
             raise ConfigError("data.regenerate needs chat data: set data.source to 'sharegpt' or a .json/.jsonl "
                               "chat file, or data.regenerate=false.")
+        if self.eval_prompts not in ("heldout", "yardstick") and not Path(self.eval_prompts).expanduser().is_file():
+            raise ConfigError(f"data.eval_prompts must be 'heldout', 'yardstick' or an existing prompt file (got "
+                              f"{self.eval_prompts!r}).")
         if self.regenerate_max_new_tokens < 1:
             raise ConfigError("data.regenerate_max_new_tokens must be at least 1.")
-        if self.self_prompts < 0 or self.self_prompt_max_tokens < 1:
-            raise ConfigError("data.self_prompts must be 0 (off) or positive and data.self_prompt_max_tokens at "
-                              f"least 1 (got {self.self_prompts} and {self.self_prompt_max_tokens}).")
-        if self.self_prompts and not self.regenerate:
-            raise ConfigError("data.self_prompts needs data.regenerate=true (the target answers its own prompts "
-                              "before training); set both, or data.self_prompts=0.")
-        if self.mix and self.regenerate:
-            raise ConfigError("data.regenerate rewrites data.source only, not a data.mix; regenerate each source "
-                              "with `dflash-train regenerate` and mix the files, or leave data.mix empty.")
-        self.mix_weights()  # a malformed entry fails here, with the config
         if self.self_prompts < 0 or self.self_prompt_max_tokens < 1:
             raise ConfigError("data.self_prompts must be 0 (off) or positive and data.self_prompt_max_tokens at "
                               f"least 1 (got {self.self_prompts} and {self.self_prompt_max_tokens}).")
@@ -146,32 +130,6 @@ class DataConfig:
         if not 1 <= self.synthetic_min_len <= self.synthetic_max_len:
             raise ConfigError("data.synthetic_min_len must be at least 1 and at most data.synthetic_max_len "
                               f"(got {self.synthetic_min_len} and {self.synthetic_max_len}).")
-
-
-    def mix_weights(self) -> list[tuple[str, float | None]]:
-        """data.mix -> [(source, weight)]; weight None for entries written without one (all or none have one)."""
-        out = []
-        for entry in self.mix:
-            source, sep, tail = str(entry).rpartition(":")
-            weight = None
-            if sep:
-                try:
-                    weight = float(tail)
-                except ValueError:
-                    weight = -1.0
-                if not weight > 0 or weight == float("inf"):
-                    raise ConfigError(f"data.mix entry {entry!r} must look like source:weight with a positive "
-                                      "weight, e.g. sharegpt:3.")
-            else:
-                source = str(entry)
-            if not source.strip() or source == "synthetic":
-                raise ConfigError(f"data.mix entry {entry!r} must name chat data (sharegpt or a .json/.jsonl file).")
-            out.append((source, weight))
-        if len({w is None for _, w in out}) > 1:
-            raise ConfigError("data.mix: give every entry a weight (source:weight) or none (each source once).")
-        if len({s for s, _ in out}) < len(out):
-            raise ConfigError("data.mix names a source twice; give it one entry with the sum of its weights.")
-        return out
 
 
     def mix_weights(self) -> list[tuple[str, float | None]]:
@@ -222,13 +180,18 @@ class TrainConfig:
     dtype: str = _f("auto", "Compute dtype: bf16 | fp32 | auto (bf16 on CUDA, fp32 on CPU). Master weights stay fp32.")
     log_every: int = _f(10, "Print a step line every this many steps (metrics sync the GPU only then).")
     checkpoint_every: int = _f(500, "Save a checkpoint every this many steps (0 = only at the end).")
-    keep_checkpoints: int = _f(3, "Keep the newest K step checkpoints.")
+    keep_checkpoints: int = _f(3, "Keep the newest K step checkpoints (at least 1), plus the one `latest` and the "
+                                  "one `best` name.")
     eval_every: int = _f(250, "Validate every this many steps and at the end: the drafter's loss, acc@k and tau "
                               "estimate on fixed held-out rows (the run's held-out conversations, packed like "
                               "training rows, anchors fixed once); drafter/ keeps the best step by that tau "
                               "estimate, drafter_last/ the final one. 0 = off.")
     eval_rows: int = _f(8, "Held-out rows (of token_budget tokens) each validation scores; its cost is about "
                            "eval_rows / (3 * eval_every) of the training compute.")
+    final_eval_prompts: int = _f(16, "After training, speculative decoding with the trained drafter on this many "
+                                     "prompts (data.eval_prompts): the measured tau next to the estimates, in the "
+                                     "log, metrics.jsonl and <out_dir>/eval_final/. 0 = off.")
+    final_eval_new_tokens: int = _f(128, "New tokens per prompt of the measurement after training.")
     loss_chunk: int = _f(4096, "Block positions per LM-head chunk in the loss (bounds logits memory).")
     kd_weight: float = _f(0.0, "Distillation: the loss is (1 - w) * CE on the data's next token + w * KD, KD being the "
                                "cross-entropy against the target's own next-token distribution (its final hidden "
@@ -248,9 +211,15 @@ class TrainConfig:
             raise ConfigError("train.num_anchors must be at least 1.")
         if self.lr <= 0:
             raise ConfigError("train.lr must be positive.")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"train.keep_checkpoints must be at least 1 (got {self.keep_checkpoints}): the newest "
+                              "checkpoint is what a resume continues from.")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError(f"train.max_minutes must be positive (got {self.max_minutes}); leave it empty for no "
                               "time limit.")
+        if self.final_eval_prompts < 0 or self.final_eval_new_tokens < 1:
+            raise ConfigError("train.final_eval_prompts must be 0 (off) or positive and train.final_eval_new_tokens "
+                              f"at least 1 (got {self.final_eval_prompts} and {self.final_eval_new_tokens}).")
         if self.eval_every < 0 or self.eval_rows < 0:
             raise ConfigError("train.eval_every and train.eval_rows must be 0 (validation off) or positive "
                               f"(got {self.eval_every} and {self.eval_rows}).")
@@ -293,12 +262,20 @@ class PipelineConfig:
 @dataclass
 class RunConfig:
     out_dir: str = _f("runs/dflash", "Run directory: checkpoints, logs, TensorBoard events, plots.")
-    resume: str = _f("never", "never | auto (continue from the latest good checkpoint in out_dir, if any).")
-    overwrite: bool = _f(False, "Allow training into an out_dir that holds a different run.")
+    resume: str = _f("never", "never | auto (continue this out_dir's run from its latest good checkpoint, if any; "
+                              "only train.max_steps and the other keys docs/RELIABILITY.md lists may change). never "
+                              "refuses an out_dir that already holds a trained run.")
+    overwrite: bool = _f(False, "Start a new run in an out_dir that holds one: the old run is first moved aside to "
+                                "<out_dir>.old-<UTC time> (nothing is deleted).")
 
     def __post_init__(self):
         if self.resume not in ("never", "auto"):
             raise ConfigError(f"run.resume must be 'never' or 'auto' (got {self.resume!r}).")
+        if not self.out_dir.strip():
+            raise ConfigError("run.out_dir must name a directory, e.g. run.out_dir=runs/my_run.")
+        if self.overwrite and self.resume == "auto":
+            raise ConfigError("run.overwrite=true starts a new run and run.resume=auto continues the old one; pass "
+                              "only one of them.")
 
 
 @dataclass
