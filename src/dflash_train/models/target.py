@@ -1,8 +1,11 @@
 """The frozen target: load a local HF causal LM (directory or .gguf), tap chosen layers' outputs.
 
-`TargetModel.features()` returns the outputs of `layer_ids` concatenated per token (`[T, k*H]`) for one packed row.
-Layers after the deepest tapped one are dropped when `truncate=True` (training never needs them, and the LM head never
-runs there), and packed documents never attend to each other: the row gets a block-diagonal causal (document) mask.
+`TargetModel.features()` returns the outputs of `layer_ids` concatenated per token (`[T, k*H]`) for one packed row;
+with `final_hidden=True` (distillation) the target's final normed hidden state follows them (`[T, (k+1)*H]`: the
+state its LM head turns into next-token logits; the logits themselves are formed later, in the drafter's chunked
+loss). Layers after the deepest tapped one are dropped when `truncate=True` and the final hidden state is not asked
+for (the LM head never runs here), and packed documents never attend to each other: the row gets a block-diagonal
+causal (document) mask.
 
 Two ways to apply that mask (`model.target_attention`):
 - `sdpa`: a dense [1, 1, T, T] boolean mask. Exact and simple, but an arbitrary mask keeps SDPA off its flash kernel:
@@ -187,7 +190,7 @@ class TargetInfo:
 class TargetModel(nn.Module):
     """A frozen HF causal LM with forward hooks on the tapped decoder layers."""
 
-    def __init__(self, hf_model: nn.Module, layer_ids: list[int], truncate: bool = True):
+    def __init__(self, hf_model: nn.Module, layer_ids: list[int], truncate: bool = True, final_hidden: bool = False):
         super().__init__()
         base = getattr(hf_model, "model", None)
         layers = getattr(base, "layers", None)
@@ -200,8 +203,9 @@ class TargetModel(nn.Module):
             raise TargetError(f"target_layer_ids {layer_ids} must be non-empty and within 0..{self.info.num_layers - 1}"
                               f" for this {self.info.num_layers}-layer target.")
         self.layer_ids = list(layer_ids)
+        self.final_hidden = final_hidden
         self.hf = hf_model.eval().requires_grad_(False)
-        if truncate:
+        if truncate and not final_hidden:
             # Layers after the deepest tap never influence the features: don't run them.
             base.layers = nn.ModuleList(list(layers)[: max(layer_ids) + 1])
         self._taps: dict[int, torch.Tensor] = {}
@@ -235,14 +239,18 @@ class TargetModel(nn.Module):
 
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids, doc_ids: [T] -> feats [T, k*H] (target dtype).
+        """input_ids, position_ids, doc_ids: [T] -> feats [T, k*H] (target dtype); [T, (k+1)*H] with final_hidden,
+        the last H columns being the final normed hidden state (row p predicts token p + 1).
 
         Not thread-safe per instance (hooks write into self._taps): one target worker per TargetModel."""
         self._taps.clear()
         mask = doc_causal_block_mask(doc_ids) if self.attention == "flex" else doc_causal_mask(doc_ids)
-        self.hf.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
-                      use_cache=False)
-        feats = torch.cat([self._taps[i][0] for i in self.layer_ids], dim=-1)
+        out = self.hf.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=mask,
+                            use_cache=False)
+        taps = [self._taps[i][0] for i in self.layer_ids]
+        if self.final_hidden:
+            taps.append(out.last_hidden_state[0])  # HF base models apply the final norm before returning it
+        feats = torch.cat(taps, dim=-1)
         self._taps.clear()
         return feats
 
@@ -287,15 +295,16 @@ def load_causal_lm(target: str | None, device: str | torch.device = "cpu", dtype
 
 def load_target(target: str | None, layer_ids: list[int] | None = None, num_feature_layers: int = 5,
                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                truncate: bool = True, attention: str = "sdpa") -> TargetModel:
+                truncate: bool = True, attention: str = "sdpa", final_hidden: bool = False) -> TargetModel:
     """Load the frozen target from a local directory or GGUF file onto `device` (bf16 on GPU, fp32 on CPU).
 
     attention: how features() masks packed documents, sdpa | flex | auto (module docstring). The inference path
-    (forward_with_cache) builds its own dense masks and needs 'sdpa'."""
+    (forward_with_cache) builds its own dense masks and needs 'sdpa'. final_hidden: features() also returns the
+    final normed hidden state (distillation, train.kd_weight > 0); every layer then runs, whatever `truncate`."""
     hf = load_causal_lm(target, device, dtype, attention)
     n = hf.config.num_hidden_layers
     ids = list(layer_ids) if layer_ids else default_layer_ids(n, num_feature_layers)
-    return TargetModel(hf, ids, truncate=truncate)
+    return TargetModel(hf, ids, truncate=truncate, final_hidden=final_hidden)
 
 
 class GraphedFeatures:

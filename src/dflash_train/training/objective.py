@@ -4,13 +4,16 @@ For anchor a (a position where tokens a and a+1 are both supervised) the block i
 positions pos(a)..pos(a)+B-1; block position k (1..B-1) predicts token a+k. A block's queries see the context
 features strictly before a within a's document, and the B tokens of their own block (bidirectional); never another
 block, never another document. Cross-entropy at position k weighs exp(-(k-1)/gamma), normalised by the weight sum.
+With distillation (train.kd_weight = w > 0) the loss at a label position p is (1 - w) * CE(token p) + w * the
+cross-entropy against the target's own distribution for p, softmax(lm_head(target's final hidden state at p - 1)).
 
 Everything here has fixed shapes given (T = token_budget, A = num_anchors, B = block_size), so a compiled step
 never recompiles, and nothing calls .item(): metrics stay on the device until the log step reads them.
 
 Fast paths (each pinned by a simple reference in tests/test_objective_fast.py): the flex BlockMask is built at tile
 granularity from per-tile bounds (never the [A*B, T+A*B] element mask), and the frozen LM head's cross-entropy is
-fused and chunked (`_FusedLinearCE`: the gradient w.r.t. the hidden states is formed while each chunk's logits exist).
+fused and chunked (`_FusedLinearCE`: the gradient w.r.t. the hidden states is formed while each chunk's logits exist;
+the target's logits for distillation are formed there too, chunk by chunk, so no [n, V] tensor ever exists).
 """
 
 from __future__ import annotations
@@ -249,20 +252,60 @@ def _ce_chunk(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, with_
     return ce, pred, p.to(head_w.dtype) @ head_w                            # d ce / d h: [c, H]
 
 
+def _kd_chunk(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, target_h: torch.Tensor, kd_weight: float,
+              with_grad: bool):
+    """Like `_ce_chunk`, against the mixed target q = (1 - w) * onehot(labels) + w * softmax(target_h @ head_w^T):
+    h, target_h [c, H] (head_w's dtype) -> loss [c] = lse(z) - q.z (z = h @ head_w^T; (1 - w) * CE + w * the
+    cross-entropy against the target's distribution, i.e. its KL plus the target's entropy), argmax [c], and when
+    `with_grad` d loss / d h = (softmax(z) - q) @ head_w [c, H]."""
+    w = kd_weight
+    logits = _upcast(h @ head_w.t())                                        # [c, V]
+    lse = torch.logsumexp(logits, dim=-1)
+    t_logits = _upcast(target_h @ head_w.t())                               # [c, V]: the target's, the other big one
+    if torch.compiler.is_compiling():
+        p_t = torch.softmax(t_logits, dim=-1)
+        soft = lse - (p_t * logits).sum(-1)
+    else:
+        p_t = t_logits.sub_(torch.logsumexp(t_logits, dim=-1)[:, None]).exp_()   # in place: softmax
+        soft = lse - (p_t[:, None, :] @ logits[:, :, None]).view(-1)             # row dot products, no [c, V] temp
+    loss = (1.0 - w) * (lse - logits.gather(1, labels[:, None])[:, 0]) + w * soft
+    pred = logits.argmax(-1)
+    if not with_grad:
+        return loss, pred, None
+    if torch.compiler.is_compiling():
+        cols = torch.arange(logits.shape[1], device=logits.device)
+        onehot = (cols[None, :] == labels[:, None]).to(logits.dtype)
+        p = torch.exp(logits - lse[:, None]) - w * p_t - (1.0 - w) * onehot
+    else:
+        p = logits.sub_(lse[:, None]).exp_().sub_(p_t.mul_(w))
+        p.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], w - 1.0))
+    return loss, pred, p.to(head_w.dtype) @ head_w                          # d loss / d h: [c, H]
+
+
+def _loss_chunk(h, head_w, labels, target_h, kd_weight: float, with_grad: bool):
+    """Hard-label CE (`target_h` None: exactly today's computation) or the distillation mix on one chunk."""
+    if target_h is None:
+        return _ce_chunk(h, head_w, labels, with_grad)
+    return _kd_chunk(h, head_w, labels, target_h, kd_weight, with_grad)
+
+
 class _FusedLinearCE(torch.autograd.Function):
-    """Per-row CE of h @ head_w^T for a frozen head_w, chunked over rows.
+    """Per-row CE of h @ head_w^T for a frozen head_w, chunked over rows (with `target_h`: the distillation mix of
+    `_kd_chunk`, the target's logits formed from target_h [n, H] chunk by chunk as well).
 
     The gradient w.r.t. h is linear in the upstream gradient of each row's CE, so the forward pass stores
     G = dce/dh [n, H] (small) and backward returns grad_ce[:, None] * G: the LM head costs one matmul forward and
     one backward, where checkpointed chunks cost two forward (recompute) and one backward, and never more than
-    one chunk of logits ([chunk, V]) is alive."""
+    one chunk of logits ([chunk, V]; two with target_h) is alive."""
 
     @staticmethod
-    def forward(ctx, h, head_w, labels, chunk):
+    def forward(ctx, h, head_w, labels, chunk, target_h, kd_weight):
         hc = h.to(head_w.dtype)
+        tc = None if target_h is None else target_h.to(head_w.dtype)
         ces, preds, grads = [], [], []
         for s, e in _even_chunks(h.shape[0], chunk):
-            ce, pred, g = _ce_chunk(hc[s:e], head_w, labels[s:e], with_grad=True)
+            ce, pred, g = _loss_chunk(hc[s:e], head_w, labels[s:e], None if tc is None else tc[s:e], kd_weight,
+                                      with_grad=True)
             ces.append(ce)
             preds.append(pred)
             grads.append(g)
@@ -275,33 +318,46 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_ce, _grad_pred):
         (g,) = ctx.saved_tensors
-        return (grad_ce[:, None] * g).to(ctx.h_dtype), None, None, None
+        return (grad_ce[:, None] * g).to(ctx.h_dtype), None, None, None, None, None
 
 
-def _chunk_logits_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor):
-    """h [n, H], head_w [V, H], labels [n] -> ce [n] fp32, argmax [n] (plain autograd; for a trainable head)."""
+def _chunk_logits_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, target_h=None,
+                     kd_weight: float = 0.0):
+    """h [n, H], head_w [V, H], labels [n] -> ce [n] fp32, argmax [n] (plain autograd; for a trainable head). With
+    target_h [n, H]: the distillation mix, the target's distribution a constant (the teacher is not trained)."""
     logits = (h @ head_w.t()).float()
-    return F.cross_entropy(logits, labels, reduction="none"), logits.argmax(-1)
+    ce = F.cross_entropy(logits, labels, reduction="none")
+    if target_h is not None:
+        p_t = torch.softmax((target_h @ head_w.t()).float(), dim=-1).detach()
+        ce = (1.0 - kd_weight) * ce + kd_weight * F.cross_entropy(logits, p_t, reduction="none")
+    return ce, logits.argmax(-1)
 
 
-def blockwise_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, chunk: int):
+def blockwise_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, chunk: int,
+                 target_h: torch.Tensor | None = None, kd_weight: float = 0.0):
     """h [n, H], head_w [V, H], labels [n] -> CE [n] fp32 and greedy predictions [n], in chunks of <= `chunk`
     rows (0 = one chunk) so that at most chunk x V logits are alive at once.
 
+    target_h [n, H] (the target's final normed hidden state that predicts each row's label): the loss becomes
+    (1 - kd_weight) * CE + kd_weight * CE against softmax(target_h @ head_w^T), its logits made chunk by chunk too.
     Frozen head (training): `_FusedLinearCE`. No grad needed (eval): plain chunks. Trainable head: each chunk
     checkpointed (recomputed in backward)."""
     ranges = _even_chunks(h.shape[0], chunk)
     if not torch.is_grad_enabled() or not (h.requires_grad or head_w.requires_grad):
         hc = h.to(head_w.dtype)
-        outs = [_ce_chunk(hc[s:e], head_w, labels[s:e], with_grad=False)[:2] for s, e in ranges]
+        tc = None if target_h is None else target_h.to(head_w.dtype)
+        outs = [_loss_chunk(hc[s:e], head_w, labels[s:e], None if tc is None else tc[s:e], kd_weight,
+                            with_grad=False)[:2] for s, e in ranges]
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
     if not head_w.requires_grad:
-        return _FusedLinearCE.apply(h, head_w, labels, chunk)
+        return _FusedLinearCE.apply(h, head_w, labels, chunk, None if target_h is None else target_h.detach(),
+                                    kd_weight)
     if len(ranges) == 1:
-        return _chunk_logits_ce(h, head_w, labels)
+        return _chunk_logits_ce(h, head_w, labels, target_h, kd_weight)
     ces, preds = [], []
     for s, e in ranges:
-        ce, pred = checkpoint(_chunk_logits_ce, h[s:e], head_w, labels[s:e], use_reentrant=False)
+        ce, pred = checkpoint(_chunk_logits_ce, h[s:e], head_w, labels[s:e],
+                              None if target_h is None else target_h[s:e], kd_weight, use_reentrant=False)
         ces.append(ce)
         preds.append(pred)
     return torch.cat(ces), torch.cat(preds)
@@ -345,15 +401,26 @@ def draft_hidden(drafter: DFlashDrafter, embed_w: torch.Tensor, feats: torch.Ten
 
 def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, feats: torch.Tensor,
                 input_ids, position_ids, doc_ids, loss_mask, anchors, anchor_valid, *, block_size: int,
-                gamma: float, attention: str = "sdpa", loss_chunk: int = 0) -> dict[str, torch.Tensor]:
+                gamma: float, attention: str = "sdpa", loss_chunk: int = 0, target_hidden: torch.Tensor | None = None,
+                kd_weight: float = 0.0) -> dict[str, torch.Tensor]:
     """One row -> {'loss', 'acc', 'cond_acc', 'tau_est', 'num_labels'} (tensors on the device, no host sync).
 
-    feats [T, k*H]; input_ids/position_ids/doc_ids/loss_mask [T]; anchors/anchor_valid [A]."""
+    feats [T, k*H]; input_ids/position_ids/doc_ids/loss_mask [T]; anchors/anchor_valid [A].
+    target_hidden [T, H]: the target's final normed hidden state (row p predicts token p + 1), needed when
+    kd_weight > 0 (module docstring); ignored at kd_weight = 0, which is exactly the hard-label loss."""
+    if kd_weight > 0 and target_hidden is None:
+        raise ValueError("kd_weight > 0 needs target_hidden, the target's final hidden states")
     h, lay = draft_hidden(drafter, embed_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors,
                           anchor_valid, block_size=block_size, attention=attention)
-    A = anchors.shape[0]
+    A, T = anchors.shape[0], input_ids.shape[0]
     h = h.reshape(A * (block_size - 1), -1)                                 # positions 1..B-1
-    ce, pred = blockwise_ce(h, head_w, lay.labels.flatten(), loss_chunk)
+    target_h = None
+    if kd_weight > 0:
+        # Label a+k is predicted by the target's state at a+k-1 (in a's document whenever the label is valid;
+        # the clamp only touches positions that carry no weight).
+        prev = (anchors[:, None] + torch.arange(block_size - 1, device=anchors.device)[None, :]).clamp(max=T - 1)
+        target_h = target_hidden[prev.flatten()]                            # [A*(B-1), H]
+    ce, pred = blockwise_ce(h, head_w, lay.labels.flatten(), loss_chunk, target_h, kd_weight)
     ce, pred = ce.view(A, block_size - 1), pred.view(A, block_size - 1)
     w = position_weights(block_size, gamma, device=ce.device)[None, :] * lay.valid.float()
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)

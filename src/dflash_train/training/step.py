@@ -56,12 +56,16 @@ def _fresh_function(fn, tag: str):
 
 
 def _loss_fn(drafter, embed_w, head_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors, anchor_valid,
-             block_size, gamma, attention, loss_chunk, autocast_dtype):
+             block_size, gamma, attention, loss_chunk, autocast_dtype, kd_weight):
     device_type = feats.device.type
+    target_hidden = None
+    if kd_weight > 0:  # feats [T, (k+1)*H]: the tapped layers, then the target's final normed hidden state
+        tapped = drafter.fc.in_features
+        feats, target_hidden = feats[:, :tapped], feats[:, tapped:]
     with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
         return dflash_loss(drafter, embed_w, head_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors,
                            anchor_valid, block_size=block_size, gamma=gamma, attention=attention,
-                           loss_chunk=loss_chunk)
+                           loss_chunk=loss_chunk, target_hidden=target_hidden, kd_weight=kd_weight)
 
 
 class DrafterStep:
@@ -82,6 +86,10 @@ class DrafterStep:
         self.gamma = cfg.gamma or default_gamma(self.block_size)
         self.attention = resolve_attention(cfg.attention, device)
         self.loss_chunk = cfg.loss_chunk
+        self.kd_weight = cfg.kd_weight
+        # feats [T, feats_width]: k*H tapped, then H more (the target's final hidden state) when distilling
+        # (load_target(..., final_hidden=True) appends it).
+        self.feats_width = drafter.fc.in_features + (self.head_w.shape[1] if self.kd_weight > 0 else 0)
         self.compile_mode = resolve_compile_mode(cfg.compile, device)
         # Own, persistent .grad buffers: backward then *accumulates* (copies) into them. A None grad would instead
         # steal the CUDA graph's static output buffer, which a later replay may overwrite (training silently
@@ -103,12 +111,16 @@ class DrafterStep:
                              dynamic=False, fullgraph=False)
 
     def _run(self, loss_fn, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
+        if feats.shape[1] != self.feats_width:  # a plumbing bug: the target was loaded for the other objective
+            raise ValueError(f"feats of width {feats.shape[1]} for a step expecting {self.feats_width}: with "
+                             f"train.kd_weight={self.kd_weight} load the target with final_hidden={self.kd_weight > 0}")
         return loss_fn(self.drafter, self.embed_w, self.head_w, feats.to(self.dtype), batch.input_ids,
                        batch.position_ids, batch.doc_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
-                       self.block_size, self.gamma, self.attention, self.loss_chunk, self.dtype)
+                       self.block_size, self.gamma, self.attention, self.loss_chunk, self.dtype, self.kd_weight)
 
     def __call__(self, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
-        """batch: TrainBatch on self.device; feats [T, k*H]. Returns detached metric tensors (no host sync)."""
+        """batch: TrainBatch on self.device; feats [T, feats_width] (k*H; (k+1)*H when distilling). Returns detached
+        metric tensors (no host sync)."""
         out = self._run(self._loss, batch, feats)
         out["loss"].backward()
         # CUDA-graph outputs live in static buffers overwritten by the next replay: keep private copies.
