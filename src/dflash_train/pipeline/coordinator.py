@@ -36,7 +36,7 @@ from ..training.budget import TimeBudget
 from ..training.checkpointing import CheckpointManager, resume_point
 from ..training.metrics import MetricsLogger
 from ..training.plots import write_training_plots
-from ..training.run import build_run, prepare_out_dir
+from ..training.run import build_run, hold_run_dir, prepare_out_dir
 from ..training.step import resolve_compile_mode
 from ..training.validation import Validator, build_validation_rows
 from ..training.trainer import TrainResult
@@ -82,7 +82,8 @@ def train_pipeline(cfg: Config) -> PipelineResult:
         out = prepare_out_dir(cfg, owner=peers.is_rank0)
         log_name = "run.log" if peers.is_rank0 else f"run.rank{peers.rank}.log"
         # The processes of one node share its cores as well.
-        with run_log_file(out, log_name), cpu_thread_budget((target_devices + drafter_devices) * peers.local_world):
+        with hold_run_dir(out), run_log_file(out, log_name), \
+                cpu_thread_budget((target_devices + drafter_devices) * peers.local_world):
             return _Pipeline(cfg, target_devices, drafter_devices, faults, peers, out).run()
 
 

@@ -3,11 +3,18 @@
   <out_dir>/checkpoints/step_00000100/   config.json, model.safetensors  (servable as-is)
                                          training_state.pt              (optimizer, scheduler, step, RNG, data pos)
   <out_dir>/checkpoints/latest           the name of the newest complete checkpoint
+  <out_dir>/checkpoints/best             JSON {name, step, metric, value, run_id}: the checkpoint mark_best named
+  <out_dir>/run_id                       this run's id (written by training/run.py:prepare_out_dir)
 
 A checkpoint is written into a hidden temporary directory, its files fsynced, and renamed into place only when
 complete; `latest` is replaced atomically after that: a crash (or SIGKILL, or a full disk) mid-write can never make
 a half-written checkpoint `latest`. A failed write removes its temporary directory; a full disk is a CheckpointError
 (a UserError) naming the directory. On load, a checkpoint that fails validation is reported and the previous one used.
+
+Every training state carries the run id of the directory it was written in, and only a checkpoint of the directory's
+run id is ever resumed: a checkpoint copied in from another run, or left by one, is reported and skipped. Rotation
+orders checkpoints by step number and keeps the newest `keep`, plus (whatever their age) the newest step, the one
+`latest` names and the one `best` names.
 
 RNG: training draws no random numbers from global generators (the data order is seeded by (seed, epoch), each
 batch's anchors by (seed, batch index)), so the data position alone resumes data and anchors exactly. The global
@@ -18,6 +25,7 @@ so a future random op cannot silently break exact resume.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import random
@@ -34,6 +42,7 @@ from ..models.drafter import DFlashDrafter
 
 log = logging.getLogger("dflash_train")
 STATE_NAME = "training_state.pt"
+RUN_ID_NAME = "run_id"
 STATE_KEYS = ("step", "data_position", "optimizer", "scheduler", "rng")
 LOW_SPACE_BYTES = 64 << 20  # a write that fails with less than this free is reported as a full disk
 
@@ -96,27 +105,48 @@ def _disk_full(e: BaseException, where: Path) -> bool:
         return False
 
 
+def read_run_id(out_dir: str | Path) -> str | None:
+    """The run id written in <out_dir>/run_id, or None (no run started there yet, or one older than run ids)."""
+    p = Path(out_dir) / RUN_ID_NAME
+    return (p.read_text().strip() or None) if p.is_file() else None
+
+
+def step_of(d: Path) -> int | None:
+    """The step a `step_N` directory name holds, or None for any other name."""
+    digits = d.name.removeprefix("step_")
+    return int(digits) if d.name.startswith("step_") and digits.isdigit() else None
+
+
 def validate_training_state(state, path: Path) -> None:
     """Raise CheckpointError unless `state` is a training state for the step its directory is named after."""
     if not isinstance(state, dict) or any(k not in state for k in STATE_KEYS):
         missing = [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
         raise CheckpointError(f"{path / STATE_NAME} lacks {', '.join(missing)}.")
-    if path.name.startswith("step_") and int(path.name[5:]) != state["step"]:
+    if step_of(path) is not None and step_of(path) != state["step"]:
         raise CheckpointError(f"{path / STATE_NAME} holds step {state['step']}, not the step its directory names.")
 
 
 class CheckpointManager:
-    def __init__(self, out_dir: str | Path, keep: int = 3):
+    """Writes, rotates and loads the step checkpoints of one run directory.
+
+    run_id: the id every saved training state carries and every loaded one must match; by default the one in
+    <out_dir>/run_id (None where there is none: then only states without a run id match)."""
+
+    def __init__(self, out_dir: str | Path, keep: int = 3, run_id: str | None = None):
+        if keep < 1:  # train.keep_checkpoints is validated >= 1; 0 would delete the checkpoint just written
+            raise ValueError(f"keep must be at least 1 (got {keep})")
         self.root = Path(out_dir) / "checkpoints"
         self.keep = keep
+        self.run_id = run_id if run_id is not None else read_run_id(out_dir)
         # Called by the writing thread between the weights and the training state (fault injection, tests).
         self.mid_write: Callable[[], None] | None = None
 
     def step_dirs(self) -> list[Path]:
-        """Complete checkpoints, oldest first (temporary directories start with '.' and are ignored)."""
+        """Complete checkpoints, oldest step first (by number: step_100000000 sorts after step_99999999; temporary
+        directories start with '.' and are ignored)."""
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.startswith("step_"))
+        return sorted((p for p in self.root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
 
     def save(self, step: int, drafter: DFlashDrafter, optimizer, scheduler, data_position: int,
              extra: dict | None = None) -> Path:
@@ -130,7 +160,8 @@ class CheckpointManager:
             if self.mid_write is not None:
                 self.mid_write()
             state = {"step": step, "data_position": data_position, "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "rng": rng_state(), "extra": extra or {}}
+                     "scheduler": scheduler.state_dict(), "rng": rng_state(), "extra": extra or {},
+                     "run_id": self.run_id}
             torch.save(state, tmp / STATE_NAME)
             _fsync_dir_tree(tmp)
             if final.exists():  # re-saving the same step (e.g. final == last periodic): replace it whole
@@ -152,33 +183,79 @@ class CheckpointManager:
         return final
 
     def _prune(self):
+        """Keep the newest `keep` by step, and always the newest step, `latest`'s and `best`'s checkpoints."""
         dirs = self.step_dirs()
-        for old in dirs[: max(0, len(dirs) - self.keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+        keep = set(dirs[-self.keep:])
+        keep.update(d for d in (self._pointed("latest"), self._best_dir()) if d is not None)
+        for old in dirs:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".step_*.tmp"):  # left by a process killed mid-write
             shutil.rmtree(stale, ignore_errors=True)
 
-    def latest(self) -> Path | None:
-        p = self.root / "latest"
+    def _pointed(self, pointer: str) -> Path | None:
+        """The checkpoint directory a plain-text pointer file (`latest`) names, if both exist."""
+        p = self.root / pointer
         if p.is_file():
             d = self.root / p.read_text().strip()
-            if d.is_dir():
+            if d.is_dir() and step_of(d) is not None:
                 return d
-        dirs = self.step_dirs()
-        return dirs[-1] if dirs else None
+        return None
 
+    def latest(self) -> Path | None:
+        dirs = self.step_dirs()
+        return self._pointed("latest") or (dirs[-1] if dirs else None)
+
+    # ------------------------------------------------------------------ the best checkpoint (validation)
+    def mark_best(self, step: int, metric: str, value: float) -> Path:
+        """Name checkpoint `step` (saved already) the best so far by `metric`: `checkpoints/best` is replaced
+        atomically, and rotation keeps that checkpoint until another one is marked. The caller decides what is
+        better; this only records it. Returns the checkpoint's directory."""
+        d = self.root / f"step_{step:08d}"
+        if not d.is_dir():
+            raise FileNotFoundError(f"mark_best({step}): no checkpoint {d}; save the step before marking it best")
+        record = {"name": d.name, "step": step, "metric": metric, "value": float(value), "run_id": self.run_id}
+        _atomic_write_text(self.root / "best", json.dumps(record) + "\n")
+        return d
+
+    def best(self) -> dict | None:
+        """The `best` record ({name, step, metric, value, run_id}) when it is this run's and its checkpoint
+        exists, else None. Survives resume: nothing but mark_best rewrites it."""
+        p = self.root / "best"
+        try:
+            record = json.loads(p.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError:  # written atomically, so only a hand edit gets here
+            log.warning(f"{p} is not valid JSON; ignoring it")
+            return None
+        if not isinstance(record, dict) or record.get("run_id") != self.run_id:
+            return None
+        if not (self.root / str(record.get("name"))).is_dir():
+            return None
+        return record
+
+    def _best_dir(self) -> Path | None:
+        best = self.best()
+        return self.root / best["name"] if best else None
+
+    # ------------------------------------------------------------------ resume
     def load_latest(self, device="cpu") -> tuple[DFlashDrafter, dict, Path] | None:
-        """(drafter, training_state, path) of the newest checkpoint that loads; a broken one is reported and the
-        previous one is tried. None when there is no usable checkpoint."""
+        """(drafter, training_state, path) of the newest checkpoint of this run that loads; a broken one, or one of
+        another run, is reported and the previous one is tried. None when there is no usable checkpoint."""
         candidates = self.step_dirs()
         first = self.latest()
         if first is not None and first in candidates:
-            candidates = [c for c in candidates if c <= first]
+            candidates = [c for c in candidates if step_of(c) <= step_of(first)]
         for d in reversed(candidates):
             try:
-                drafter = load_drafter(d, device)
                 state = torch.load(d / STATE_NAME, map_location="cpu", weights_only=False)
                 validate_training_state(state, d)
+                if state.get("run_id") != self.run_id:
+                    log.warning(f"checkpoint {d} belongs to another run (run id {state.get('run_id')}, this run is "
+                                f"{self.run_id}); skipping it")
+                    continue
+                drafter = load_drafter(d, device)
                 return drafter, state, d
             except Exception as e:  # noqa: BLE001 - report and fall back to the previous checkpoint
                 log.warning(f"checkpoint {d} failed to load ({type(e).__name__}: {e}); trying the previous one")
@@ -193,4 +270,6 @@ def resume_point(resume: str, ckpt: CheckpointManager, fresh: DFlashDrafter) -> 
         set_rng_state(state["rng"])
         log.info(f"resuming from {path} at step {state['step']}")
         return drafter, state
+    if resume == "auto":
+        log.info(f"no checkpoint found, starting fresh (run.resume=auto, {ckpt.root})")
     return fresh, None

@@ -1,16 +1,14 @@
 """Everything a training run needs before its first step, shared by the single-device trainer and the pipeline:
-the run directory, tokenizer, data, the batch schedule, target sizes and a freshly sized (or resumed) drafter."""
+the run directory (training/rundir.py), tokenizer, data, the batch schedule, target sizes and a freshly sized (or
+resumed) drafter."""
 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import yaml
 
 from ..config import Config, ConfigError
 from ..data.dataset import DatasetSplit, load_dataset
@@ -19,15 +17,10 @@ from ..models.build import build_drafter
 from ..models.checkpoint import load_drafter
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetInfo, load_tokenizer, target_config_info
+from .rundir import RUN_CONFIG_NAME, hold_run_dir, prepare_out_dir, release_run_dir  # noqa: F401 - re-exported
 from .validation import EPOCHS_WARN, data_passes_line
 
 log = logging.getLogger("dflash_train")
-RUN_CONFIG_NAME = "run_config.yaml"
-# Keys that may differ between a run and its resumption without making it "a different run".
-_RESUMABLE_KEYS = {("run", "resume"), ("run", "overwrite"), ("train", "log_every"), ("train", "checkpoint_every"),
-                   ("train", "keep_checkpoints"), ("pipeline", "stall_timeout_s"), ("pipeline", "queue_depth"),
-                   ("train", "max_minutes"), ("train", "nonfinite"), ("model", "target_graphs"),
-                   ("pipeline", "grad_reduce")}
 
 
 @dataclass
@@ -43,45 +36,17 @@ class RunSetup:
     drafter: DFlashDrafter
 
 
-def _comparable(d: dict) -> dict:
-    return {s: {k: v for k, v in sec.items() if (s, k) not in _RESUMABLE_KEYS} for s, sec in d.items()}
-
-
-def _with_defaults(saved: dict) -> dict:
-    """A saved run config with the keys it predates at their defaults: a field added to the config since the run
-    was written does not make it 'a different run' as long as the resumed run leaves it at its default."""
-    full = Config().to_dict()
-    for section, values in saved.items():
-        full.setdefault(section, {}).update(values if isinstance(values, dict) else {})
-    return full
-
-
-def prepare_out_dir(cfg: Config, owner: bool = True) -> Path:
-    """Create the run directory; the owner (rank 0 of a torchrun launch) refuses to mix two different runs in one
-    directory and writes run_config.yaml. Other ranks may name per-node paths (model.target, data.source, devices)
-    that differ from rank 0's; what must agree is checked by the start gate (pipeline/distributed.py)."""
-    out = Path(cfg.run.out_dir)
-    if not owner:
-        out.mkdir(parents=True, exist_ok=True)
-        return out
-    saved = out / RUN_CONFIG_NAME
-    if saved.is_file() and not cfg.run.overwrite:
-        old = yaml.safe_load(saved.read_text()) or {}
-        if _comparable(_with_defaults(old)) != _comparable(cfg.to_dict()):
-            raise ConfigError(f"{out} already holds a different run; choose another run.out_dir, or pass "
-                              "run.overwrite=true to train over it.")
-    out.mkdir(parents=True, exist_ok=True)
-    # Written whole, then renamed: a reader never sees a partial file.
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{RUN_CONFIG_NAME}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    os.replace(tmp, saved)
-    return out
-
-
 def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = None) -> RunSetup:
-    """out_dir: already made by prepare_out_dir (else made here)."""
-    out = out_dir or prepare_out_dir(cfg)
+    """out_dir: already made (and locked) by prepare_out_dir, else made and locked here, and unlocked again if the
+    setup fails (on success the caller's hold_run_dir scope unlocks it)."""
+    if out_dir is None:
+        out_dir = prepare_out_dir(cfg)
+        try:
+            return build_run(cfg, batches_per_step, out_dir)
+        except BaseException:
+            release_run_dir(out_dir)
+            raise
+    out = out_dir
     torch.manual_seed(cfg.train.seed)
     synthetic = cfg.data.source == "synthetic"
     info = target_config_info(cfg.model.target)

@@ -20,7 +20,7 @@ from .checkpointing import CheckpointManager, resume_point
 from .metrics import MetricsLogger, StepWindow
 from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
-from .run import RunSetup, build_run
+from .run import RunSetup, build_run, hold_run_dir
 from .step import DrafterStep
 from .validation import Validator, build_validation_rows
 
@@ -41,6 +41,11 @@ class TrainResult:
 
 def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResult:
     setup = setup or build_run(cfg)
+    with hold_run_dir(setup.out_dir):  # the run directory stays locked until training ends, on every path
+        return _train_single_device(cfg, setup)
+
+
+def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     device = parse_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices")
     target = load_target(cfg.model.target, setup.drafter.config.target_layer_ids, device=device,
                          attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0)
