@@ -172,7 +172,8 @@ class TrainConfig:
     dtype: str = _f("auto", "Compute dtype: bf16 | fp32 | auto (bf16 on CUDA, fp32 on CPU). Master weights stay fp32.")
     log_every: int = _f(10, "Print a step line every this many steps (metrics sync the GPU only then).")
     checkpoint_every: int = _f(500, "Save a checkpoint every this many steps (0 = only at the end).")
-    keep_checkpoints: int = _f(3, "Keep the newest K step checkpoints.")
+    keep_checkpoints: int = _f(3, "Keep the newest K step checkpoints (at least 1), plus the one `latest` and the "
+                                  "one `best` name.")
     eval_every: int = _f(250, "Validate every this many steps and at the end: the drafter's loss, acc@k and tau "
                               "estimate on fixed held-out rows (the run's held-out conversations, packed like "
                               "training rows, anchors fixed once); drafter/ keeps the best step by that tau "
@@ -198,6 +199,9 @@ class TrainConfig:
             raise ConfigError("train.num_anchors must be at least 1.")
         if self.lr <= 0:
             raise ConfigError("train.lr must be positive.")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"train.keep_checkpoints must be at least 1 (got {self.keep_checkpoints}): the newest "
+                              "checkpoint is what a resume continues from.")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError(f"train.max_minutes must be positive (got {self.max_minutes}); leave it empty for no "
                               "time limit.")
@@ -243,12 +247,20 @@ class PipelineConfig:
 @dataclass
 class RunConfig:
     out_dir: str = _f("runs/dflash", "Run directory: checkpoints, logs, TensorBoard events, plots.")
-    resume: str = _f("never", "never | auto (continue from the latest good checkpoint in out_dir, if any).")
-    overwrite: bool = _f(False, "Allow training into an out_dir that holds a different run.")
+    resume: str = _f("never", "never | auto (continue this out_dir's run from its latest good checkpoint, if any; "
+                              "only train.max_steps and the other keys docs/RELIABILITY.md lists may change). never "
+                              "refuses an out_dir that already holds a trained run.")
+    overwrite: bool = _f(False, "Start a new run in an out_dir that holds one: the old run is first moved aside to "
+                                "<out_dir>.old-<UTC time> (nothing is deleted).")
 
     def __post_init__(self):
         if self.resume not in ("never", "auto"):
             raise ConfigError(f"run.resume must be 'never' or 'auto' (got {self.resume!r}).")
+        if not self.out_dir.strip():
+            raise ConfigError("run.out_dir must name a directory, e.g. run.out_dir=runs/my_run.")
+        if self.overwrite and self.resume == "auto":
+            raise ConfigError("run.overwrite=true starts a new run and run.resume=auto continues the old one; pass "
+                              "only one of them.")
 
 
 @dataclass
