@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,95 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
     before = (tmp_path / "run" / "regenerated.jsonl").read_text()
     regenerate_for_run(cfg, tmp_path / "run", tok)
     assert (tmp_path / "run" / "regenerated.jsonl").read_text() == before
+
+
+# ------------------------------------------------------------------------------------------ data.mix
+
+def write_source(path: Path, name: str, n: int) -> str:
+    """n one-turn OpenAI records whose text names the source (to count where each training sample came from)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"id": f"{name}{i}", "messages": [
+                {"role": "user", "content": f"{name} question {i}?"},
+                {"role": "assistant", "content": f"{name} answer {i}."}]}) + "\n")
+    return str(path)
+
+
+def origins(tok, samples) -> list[str]:
+    return [tok.decode(s.input_ids).split("user\n")[1].split(" ")[0] for s in samples]
+
+
+def test_mix_counts_sum_to_the_total_and_round_each_share_within_one():
+    from dflash_train.data.dataset import mix_counts
+
+    assert mix_counts([3, 1], 10) == [8, 2]            # 7.5 and 2.5: the tie goes to the first
+    assert mix_counts([1, 1, 1], 10) == [4, 3, 3]
+    assert mix_counts([0.5, 0.25, 0.25], 7) == [3, 2, 2]   # 3.5, 1.75, 1.75: the largest remainders round up
+    for weights, total in (([1, 2, 3, 4], 97), ([5, 1e-3], 10), ([1], 3)):
+        counts = mix_counts(weights, total)
+        assert sum(counts) == total
+        assert all(abs(c - total * w / sum(weights)) < 1 for c, w in zip(counts, weights))
+
+
+@pytest.fixture(scope="module")
+def byte_tok():
+    return make_byte_tokenizer()
+
+
+def test_a_weighted_mix_follows_its_weights_and_repeats_a_small_source(tmp_path, byte_tok, caplog):
+    from dflash_train.config import DataConfig
+    from dflash_train.data.dataset import load_dataset
+
+    big, small = write_source(tmp_path / "big.jsonl", "big", 60), write_source(tmp_path / "small.jsonl", "small", 6)
+    cfg = DataConfig(mix=[f"{big}:3", f"{small}:1"], max_samples=40, heldout_fraction=0.2)
+    with caplog.at_level("INFO", logger="dflash_train"):
+        split = load_dataset(cfg, byte_tok, cache_dir=str(tmp_path / "cache"))
+    got = origins(byte_tok, split.train)
+    assert len(got) == 40 and got.count("big") == 30 and got.count("small") == 10
+    small_train = [s for s, o in zip(split.train, got) if o == "small"]
+    assert len({tuple(s.input_ids) for s in small_train}) < 10  # fewer than 10 exist on its training side: repeated
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.mix")]
+    assert len(lines) == 2 and "share 75.0%" in lines[0] and "share 25.0%" in lines[1]
+    assert "(each once)" in lines[0] and "repeated" in lines[1] and "unique tokens" in lines[1]
+    # Each source is split on its own; nothing held out is trained on.
+    held = origins(byte_tok, split.heldout)
+    assert set(held) == {"big", "small"}
+    assert not {tuple(s.input_ids) for s in split.heldout} & {tuple(s.input_ids) for s in split.train}
+    assert len(split.heldout_messages) == len(split.heldout)
+    # Other weights, same cache directory: the cache never hands back another mix's sources.
+    other = load_dataset(DataConfig(mix=[f"{big}:1", f"{small}:1"], max_samples=40, heldout_fraction=0.2), byte_tok,
+                         cache_dir=str(tmp_path / "cache"))
+    assert sorted(Counter(origins(byte_tok, other.train)).items()) == [("big", 20), ("small", 20)]
+
+
+def test_a_mix_without_weights_takes_every_source_once(tmp_path, byte_tok):
+    from dflash_train.config import DataConfig
+    from dflash_train.data.dataset import load_dataset
+
+    a, b = write_source(tmp_path / "a.jsonl", "alpha", 12), write_source(tmp_path / "b.jsonl", "beta", 5)
+    split = load_dataset(DataConfig(mix=[a, b], heldout_fraction=0.0), byte_tok, cache_dir="")
+    assert Counter(origins(byte_tok, split.train)) == {"alpha": 12, "beta": 5}
+    weighted = load_dataset(DataConfig(mix=[f"{a}:1", f"{b}:1"], heldout_fraction=0.0), byte_tok, cache_dir="")
+    assert Counter(origins(byte_tok, weighted.train)) == {"alpha": 9, "beta": 8}  # 17 in all, half each
+
+
+@pytest.mark.parametrize("mix,match", [
+    (["a.jsonl:0"], "positive weight"), (["a.jsonl:x"], "positive weight"), (["synthetic:1"], "chat data"),
+    (["a.jsonl:1", "b.jsonl"], "a weight .* or none"), (["a.jsonl:1", "a.jsonl:2"], "twice"),
+])
+def test_a_bad_mix_is_one_config_error(mix, match):
+    from dflash_train.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=match):
+        build_config({"data": {"mix": mix}})
+
+
+def test_mix_and_self_prompts_refuse_settings_they_cannot_honour():
+    from dflash_train.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match="replaces data.source"):
+        build_config({"data": {"mix": ["a.jsonl"], "source": "synthetic"}})
+    with pytest.raises(ConfigError, match="regenerate rewrites data.source only"):
+        build_config({"data": {"mix": ["a.jsonl"], "regenerate": True}})
+    with pytest.raises(ConfigError, match="needs data.regenerate=true"):
+        build_config({"data": {"self_prompts": 3}})

@@ -118,6 +118,9 @@ class DataConfig:
         if self.mix and self.regenerate:
             raise ConfigError("data.regenerate rewrites data.source only, not a data.mix; regenerate each source "
                               "with `dflash-train regenerate` and mix the files, or leave data.mix empty.")
+        if self.mix and self.source == "synthetic":
+            raise ConfigError("data.mix lists the chat sources and replaces data.source; leave data.source at its "
+                              "default (or any chat source) when data.mix is set.")
         self.mix_weights()  # a malformed entry fails here, with the config
         if not 1 <= self.synthetic_min_len <= self.synthetic_max_len:
             raise ConfigError("data.synthetic_min_len must be at least 1 and at most data.synthetic_max_len "
