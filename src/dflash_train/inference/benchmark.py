@@ -3,7 +3,8 @@
 Both paths run on the same static-cache target runner (CUDA-graphed on GPU), one prompt at a time, after one
 untimed warm-up generation each; times run from prefill to the last token (prefill included, identical in both).
 tau: mean acceptance length over a prompt's verification steps, then the mean over prompts (DFLASH.md). Lossless
-(greedy only): the speculative tokens equal the plain greedy tokens for every prompt.
+(greedy only): every token speculative decoding emitted is the target's greedy choice given its prefix, up to
+ties within the dtype's rounding (inference/verdict.py); prompts whose two outputs are identical need no check.
 
 Training's estimate on the same outputs (greedy, a DFlashDrafter): the training loop's acc@k metric
 (objective.acceptance_metrics: 1 + sum_k prod_{j<=k} cond_acc_j) computed on the target's own greedy continuation of
@@ -12,13 +13,14 @@ anchors decoding visits, that forward drafts exactly what decoding drafts (tests
 estimate differs from the measured tau only by averaging over every position instead of the visited ones: a large
 gap points at the data (the training rows' estimate vs held-out prompts), not at a train/serve mismatch.
 
-Numerics of the lossless verdict (`--dtype`, stated in eval.json and on the console): the rule is exact, but the two
-paths compute the target's logits in different passes: speculative decoding verifies B tokens in one forward
-(q = B), plain decoding feeds one token at a time (q = 1). In fp32 the two agree to ~1e-6 and the verdict is exact
-in practice (the CPU tests check it token for token). In bf16 the different kernel shapes and reduction orders can
-round a near-tie between the top two logits differently, so a correct decoder can report a mismatch; the report
-gives the target's top-2 logit margin at every first mismatch (a margin near 0 is such a tie). Measure speed in
-bf16 (`--dtype auto` on GPU) and check the verdict in fp32 on a few prompts (`--dtype fp32`).
+Numerics of the lossless verdict (`--dtype`, stated in eval.json and on the console): the two paths compute the
+target's logits in different passes: speculative decoding verifies B tokens in one forward (q = B), plain decoding
+feeds one token at a time (q = 1). In fp32 they agree to ~1e-6 and the outputs are identical in practice. In bf16
+the different kernel shapes and reduction orders can round a near-tie between the top two logits differently, and
+the two texts part there; such a prompt is re-scored by one teacher-forced target pass and counts as lossless when
+every emitted token is the argmax or within a few bf16 ulps of it (verdict.py says why that bound): the console
+then says `yes (20/32 identical, 12 diverge only at bf16 ties)`, and a real decoder error says
+`NO: prompt 7 diverges at token 31, margin 2.1`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .baseline import target_generate
 from .drafter_runner import DrafterRunner
 from .speculative import speculative_generate
 from .target_runner import TargetRunner
+from .verdict import TIE_ULPS, judge_prompt
 
 log = logging.getLogger("dflash_train")
 
@@ -80,8 +83,15 @@ class PromptReport:
     speculative_s: float
     first_mismatch: int | None = None    # index of the first differing token (greedy), None if identical
     mismatch_margin: float | None = None  # target's top-1 minus top-2 logit there: ~0 means a numerical tie
+    verdict: str | None = None           # greedy: "identical" | "tie" | "wrong" (verdict.py); None when sampling
+    tie_tokens: list[int] = field(default_factory=list)    # emitted tokens within rounding of the argmax, not it
+    tie_gaps: list[float] = field(default_factory=list)    # top logit minus the emitted token's logit there
+    wrong_token: int | None = None       # first generated token neither the target's argmax nor a tie
+    wrong_gap: float | None = None       # top logit minus that token's logit
+    plain_wrong: bool = False            # the wrong token is plain decoding's (at the first divergence)
     tau_estimate: float | None = None    # training's acc@k estimate on the target's greedy output (module docstring)
     category: str | None = None          # the prompt's category (e.g. the yardstick's "math"), for per-category tau
+    id: str | None = None                # the prompt's id in its file, if it has one
 
     @property
     def tau(self) -> float | None:
@@ -156,10 +166,19 @@ class EvalReport:
 
     @property
     def lossless(self) -> bool | None:
-        """Greedy: every prompt's speculative output equals its plain output. Sampling: None (not comparable)."""
+        """Greedy: no prompt has a wrong token (identical to plain decoding, or diverging only at ties: verdict.py).
+        Sampling: None (the outputs are not comparable token for token)."""
         if self.temperature > 0:
             return None
-        return all(p.first_mismatch is None for p in self.prompts)
+        return not any(p.verdict == "wrong" for p in self.prompts)
+
+    @property
+    def first_wrong(self) -> dict | None:
+        """The first prompt with a wrong token: its index, id, the token index and the logit gap there."""
+        for i, p in enumerate(self.prompts):
+            if p.verdict == "wrong":
+                return {"prompt": i, "id": p.id, "token": p.wrong_token, "gap": p.wrong_gap, "plain": p.plain_wrong}
+        return None
 
     def summary(self) -> dict:
         base_tps, base_ms = self._rate("baseline", "baseline_s")
@@ -179,6 +198,9 @@ class EvalReport:
             "speedup": base_ms / spec_ms if base_ms and spec_ms else None,
             "lossless": self.lossless,
             "identical_prompts": sum(p.first_mismatch is None for p in self.prompts),
+            "tie_prompts": sum(p.verdict == "tie" for p in self.prompts),
+            "wrong_prompts": sum(p.verdict == "wrong" for p in self.prompts),
+            "first_wrong": self.first_wrong, "tie_ulps": TIE_ULPS,
         }
 
     def to_dict(self) -> dict:
@@ -191,14 +213,6 @@ def _first_mismatch(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
-
-
-@torch.no_grad()
-def _top2_margin(target: TargetModel, ids: list[int]) -> float:
-    """The target's top-1 minus top-2 logit after `ids` (one eager forward): how close a divergence was to a tie."""
-    logits = target.hf(input_ids=torch.tensor([ids], device=target.device), logits_to_keep=1).logits[0, -1]
-    top = logits.float().topk(2).values
-    return float(top[0] - top[1])
 
 
 @torch.no_grad()
@@ -222,16 +236,19 @@ def acc_estimate(target: TargetModel, drafter: DFlashDrafter, prompt: list[int],
 
 def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], max_new_tokens: int,
              temperature: float = 0.0, block_size: int | None = None, stop_ids=(), graphs: bool | None = None,
-             seed: int = 0, warmup: bool = True, categories: list[str | None] | None = None) -> EvalReport:
+             seed: int = 0, warmup: bool = True, categories: list[str | None] | None = None,
+             ids: list[str | None] | None = None) -> EvalReport:
     """Plain and speculative generation for every prompt on one harness -> EvalReport.
 
     target: loaded with truncate=False and the drafter's layer ids. drafter: a DFlashDrafter (run on a private copy
     in the target's dtype) or a ready DraftSource (e.g. a test double). stop_ids: eos ids (see stop_token_ids).
-    graphs: CUDA graphs, None = on for CUDA targets. categories: one per prompt (or None), for per-category tau."""
+    graphs: CUDA graphs, None = on for CUDA targets. categories, ids: one per prompt (or None), for per-category
+    tau and the verdict's words."""
     if not prompts_token_ids:
         raise ValueError("no prompts to evaluate")
-    if categories is not None and len(categories) != len(prompts_token_ids):
-        raise ValueError(f"{len(categories)} categories for {len(prompts_token_ids)} prompts")
+    for name, tags in (("categories", categories), ("ids", ids)):
+        if tags is not None and len(tags) != len(prompts_token_ids):
+            raise ValueError(f"{len(tags)} {name} for {len(prompts_token_ids)} prompts")
     if len(target.hf.model.layers) != target.info.num_layers:
         raise ValueError("evaluate needs the whole target (its logits): load it with load_target(..., truncate=False)")
     if isinstance(drafter, DFlashDrafter) and list(drafter.config.target_layer_ids) != target.layer_ids:
@@ -254,11 +271,14 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
         base = target_generate(t_run, prompt, max_new_tokens, temperature, stop_ids, gen)
         spec = speculative_generate(t_run, d_run, prompt, max_new_tokens, temperature, stop_ids, gen)
         rep = PromptReport(len(prompt), base.tokens, spec.tokens, spec.accept_lengths, base.seconds, spec.seconds,
-                           category=categories[i] if categories is not None else None)
+                           category=categories[i] if categories is not None else None,
+                           id=ids[i] if ids is not None else None)
         if temperature <= 0:
             rep.first_mismatch = _first_mismatch(base.tokens, spec.tokens)
-            if rep.first_mismatch is not None and rep.first_mismatch < len(base.tokens):
-                rep.mismatch_margin = _top2_margin(target, prompt + base.tokens[: rep.first_mismatch])
+            v = judge_prompt(target.hf, prompt, base.tokens, spec.tokens, rep.first_mismatch)
+            rep.verdict, rep.tie_tokens, rep.tie_gaps = v.kind, v.ties, v.tie_gaps
+            rep.wrong_token, rep.wrong_gap, rep.plain_wrong = v.wrong_token, v.wrong_gap, v.plain_wrong
+            rep.mismatch_margin = v.mismatch_margin
             if isinstance(d_run, DrafterRunner):  # the runner's copy: the drafter as decoding ran it (dtype)
                 rep.tau_estimate = acc_estimate(target, d_run.drafter, prompt, base.tokens, B)
         report.prompts.append(rep)
@@ -299,7 +319,8 @@ def run_eval_cli(args) -> int:
                          truncate=False)
     drafter = load_drafter(args.drafter, device)
     report = evaluate(target, drafter, prompt_ids, args.max_new_tokens, args.temperature, args.block_size,
-                      stop_ids=stop_token_ids(target.hf, tokenizer), categories=[p.category for p in prompts])
+                      stop_ids=stop_token_ids(target.hf, tokenizer), categories=[p.category for p in prompts],
+                      ids=[p.id for p in prompts])
     out_dir = Path(args.out or "runs/eval")
     write_report(report, out_dir)
     print(format_summary(report))

@@ -57,15 +57,33 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def verdict_text(s: dict) -> str:
+    """An EvalReport summary (or eval.json's "summary") -> the lossless verdict in words, e.g.
+    `yes (32/32 identical)`, `yes (44/80 identical, 36 diverge only at bf16 ties)`,
+    `NO: prompt 7 diverges at token 31, margin 2.1` (inference/verdict.py says what a tie is)."""
+    if s["lossless"] is None:
+        return "n/a (sampling; distribution-preserving rule)"
+    n, same = s["num_prompts"], s["identical_prompts"]
+    if s["lossless"]:
+        ties = s.get("tie_prompts", 0)
+        return f"yes ({same}/{n} identical" + (f", {ties} diverge only at {s['dtype']} ties)" if ties else ")")
+    w = s.get("first_wrong")
+    if not w:  # a summary written before the verdict re-scored divergences
+        return f"NO ({same}/{n} identical)"
+    name = f"prompt {w['prompt']}" + (f" ({w['id']})" if w.get("id") else "")
+    where = f": plain decoding diverges at token {w['token']}" if w.get("plain") else f" diverges at token {w['token']}"
+    text = f"NO: {name}{where}, margin {w['gap']:.3g}"
+    wrong = s.get("wrong_prompts", 1)
+    return text + (f" ({wrong}/{n} prompts wrong)" if wrong > 1 else "")
+
+
 def format_summary(report) -> str:
     s = report.summary()
-    if s["lossless"] is None:
-        verdict = "n/a (sampling; distribution-preserving rule)"
-    else:
-        verdict = f"{'yes' if s['lossless'] else 'NO'} ({s['identical_prompts']}/{s['num_prompts']} identical)"
-        margins = [p.mismatch_margin for p in report.prompts if p.mismatch_margin is not None]
-        if margins:  # a top-2 logit margin near 0 at the divergence = a numerical tie, not a broken rule
-            verdict += f"; target top-2 margins at the first mismatches: {', '.join(f'{m:.3g}' for m in margins)}"
+    verdict = verdict_text(s)
+    margins = [p.mismatch_margin for p in report.prompts if p.mismatch_margin is not None]
+    if margins:  # a top-2 logit margin near 0 at the divergence = a numerical tie, not a broken rule
+        shown = ", ".join(f"{m:.3g}" for m in margins[:8]) + (", ..." if len(margins) > 8 else "")
+        verdict += f"; target top-2 margins where the outputs part: {shown}"
     rows = [
         ("", "plain", "speculative"),
         ("tokens", str(sum(len(p.baseline) for p in report.prompts)),
