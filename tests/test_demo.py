@@ -124,26 +124,27 @@ def test_regenerate_on_several_devices_writes_what_one_device_writes(chat_target
 
 
 def test_a_failing_replica_stops_regeneration_and_is_named(chat_target, tmp_path, monkeypatch):
-    from dflash_train.data.regenerate import RegenerateSettings, Regenerator, iter_source_records, regenerate_dataset
+    from dflash_train.data.regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
+    from dflash_train.generation.engine import Engine
     from dflash_train.models.target import load_causal_lm
 
     data = write_chats(tmp_path / "chats.jsonl", 40, turns=1)
     models = [load_causal_lm(chat_target, torch.device("cpu")) for _ in range(2)]
     calls = {"n": 0}
-    original = Regenerator._batch_generator
+    original = Engine._prefill
 
-    def flaky(self, slots):
+    def flaky(self, *args):
         if self.hf is models[1]:
             calls["n"] += 1
             if calls["n"] == 2:
-                raise ValueError("boom on the second batch")
-        return original(self, slots)
+                raise ValueError("boom on the second prefill")
+        return original(self, *args)
 
-    monkeypatch.setattr(Regenerator, "_batch_generator", flaky)
+    monkeypatch.setattr(Engine, "_prefill", flaky)
     items = [(rid, conv, True) for rid, conv in iter_source_records(str(data), Counter())]
     out = tmp_path / "regen.jsonl"
     settings = RegenerateSettings(str(data), chat_target, 4, 0.0, False, 1024)
-    with pytest.raises(RuntimeError, match=r"regeneration on cpu failed \(ValueError: boom on the second batch\)"):
+    with pytest.raises(RuntimeError, match=r"regeneration on cpu failed \(ValueError: boom on the second prefill\)"):
         regenerate_dataset(models, load_tokenizer(chat_target), items, out, settings, batch_size=2)
     written = _records(out)
     assert 0 < len(written) < 40 and len({r["id"] for r in written}) == len(written)  # the finished ones, once

@@ -282,9 +282,11 @@ class CharTokenizer:
 
 
 def test_length_sorted_pools_keep_every_reply_and_cut_padding(tiny_llama, monkeypatch):
-    """Sorting a pool by prompt length changes which prompts share a batch, not what the target answers: every
-    conversation (multi-turn ones turn by turn) gets the same records as with batches in arrival order, with less
-    left padding."""
+    """Sorting a pool by prompt length changes which prompts share a prefill and the rows beside them, not what the
+    target answers: every conversation (multi-turn ones turn by turn) gets the same records as in arrival order,
+    with less prefill padding."""
+    from dflash_train.generation.engine import Engine
+
     hf = load_target(tiny_llama, LAYERS, truncate=False).hf
     convs = []
     for i, n in enumerate([3, 40, 5, 60, 4, 8, 50, 6, 7, 45, 2, 9]):
@@ -295,13 +297,13 @@ def test_length_sorted_pools_keep_every_reply_and_cut_padding(tiny_llama, monkey
     settings = RegenerateSettings("test", "tiny", max_new_tokens=5, temperature=0.0, single_turn=False,
                                   max_length=256)
     padding = Counter()
-    generate = BatchGenerator.generate
+    prefill = Engine._prefill
 
-    def spy(self, prompts, *args, **kw):
-        padding[lookahead] += sum(max(map(len, prompts)) - len(p) for p in prompts)
-        return generate(self, prompts, *args, **kw)
+    def spy(self, rows, reqs, stats):
+        padding[lookahead] += sum(max(len(r.prompt_ids) for r in reqs) - len(r.prompt_ids) for r in reqs)
+        return prefill(self, rows, reqs, stats)
 
-    monkeypatch.setattr(BatchGenerator, "generate", spy)
+    monkeypatch.setattr(Engine, "_prefill", spy)
 
     class Bar:
         def update(self, n=1): ...

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None, help="output directory for eval.json and eval.png")
     e.set_defaults(fn=cmd_eval)
 
-    r = sub.add_parser("regenerate", help="rewrite a dataset's assistant turns with the target (greedy, batched)")
+    r = sub.add_parser("regenerate", help="rewrite a dataset's assistant turns with the target (greedy or sampled, "
+                                          "continuous batching)")
     r.add_argument("--target", default=None)
     r.add_argument("--data", default="sharegpt", help="'sharegpt' or a .json/.jsonl file")
     r.add_argument("--out", required=True, help="output JSONL (resumable: existing lines are kept)")
@@ -93,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch-size", default="auto",
                    help="conversations decoded together per device, or 'auto': as many as half the free GPU memory "
                         "holds KV caches of --max-length for, up to 768 (8 on CPU)"),
-    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (needed by --samples)")
+    r.add_argument("--samples", type=int, default=1,
+                   help="answers per conversation (sampled, each reproducible from --seed; identical ones dropped); "
+                        "ids <id>_s<k>")
     r.add_argument("--device", default="auto",
                    help="'auto', 'all' (every visible GPU), or a comma-separated list (cuda:0,cuda:1): one model "
                         "replica per device, all regenerating at once")

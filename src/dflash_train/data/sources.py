@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,11 +134,13 @@ def _text(content: Any) -> str | None:
 
 def _record_key(record: dict, messages: list[dict], index: int) -> str:
     """ShareGPT splits long chats into records `<id>_0`, `<id>_1`, ...: keying on the base id keeps all parts of one
-    chat on the same side of the split, so held-out prompts never leak into training. Records without an id are
-    keyed by their content (stable under reordering of the file)."""
+    chat on the same side of the split, so held-out prompts never leak into training. A sampled regeneration's
+    `<id>_<n>_s<k>` keys on `<id>` too (all samples of a chat on one side). Records without an id are keyed by their
+    content (stable under reordering of the file)."""
     rid = record.get("id")
     if isinstance(rid, (str, int)) and not isinstance(rid, bool) and str(rid):
-        base, sep, tail = str(rid).rpartition("_")
+        rid = re.sub(r"_s\d+$", "", str(rid)) or str(rid)
+        base, sep, tail = rid.rpartition("_")
         return base if sep and base and tail.isdigit() else str(rid)
     return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()
 

@@ -32,7 +32,9 @@ class GraphedStep:
     buffers whose addresses never change. Warm-up and capture run `fn` on whatever the buffers hold, so it must be
     harmless to run at construction time (it writes garbage into cache slots that are overwritten before use)."""
 
-    def __init__(self, fn: Callable[[], Any], graphs: bool, warmup: int = 2):
+    def __init__(self, fn: Callable[[], Any], graphs: bool, warmup: int = 2, pool=None):
+        """pool: a torch.cuda.graph_pool_handle() shared by steps that never run at the same time and return
+        nothing (they write into buffers of their own), so their activations share one pool."""
         self.fn, self.graph, self.out = fn, None, None
         if not graphs:
             return
@@ -46,7 +48,7 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: another thread's allocation or pinned-memory call (regeneration replicas, the pipeline's
         # loader) during this capture must not invalidate it; the default 'global' mode would.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), torch.no_grad():
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"), torch.no_grad():
             self.out = fn()
 
     @torch.no_grad()

@@ -1,0 +1,347 @@
+"""Continuous-batching decoding with any HF causal LM (dataset regeneration): a finished row takes the next request.
+
+Layout: `batch_size` rows over one static KV cache (inference/target_runner.StaticKVCache: per layer
+[rows, kv_heads, max_len, head_dim]). A row holds one request at a time, at its own length: the prompt in slots
+0..P-1, its i-th generated token fed at slot P+i, position id = slot (no left padding). A step feeds one token per
+row at that row's own slot and row r attends to the slots <= pos[r]. Slots past a row's position hold what its
+previous request or the prefill's padding left there: never visible, and overwritten before they become visible.
+
+Cost of a step, the KV read: attention reads the first `visible` slots of every stepped row, visible = the longest
+live row rounded up to WINDOW slots, and the stepped rows are the first `bucket` ones (the highest occupied row
+rounded up to a power of two; requests go to the lowest free rows, so only a run's tail steps a smaller bucket).
+Each (bucket, visible, sampled) step is one CUDA graph on GPU, captured on first use into one shared memory pool.
+
+Refill: a row that ends (a stop token, kept, or its own max_new_tokens) stays frozen on the device (it rewrites its
+last slot, its count stops) until the host looks, every CHECK_EVERY steps: one host sync reads which rows ended,
+hands their tokens to `on_done` (which may submit follow-up requests: the next turn of a conversation), and the
+free rows are refilled at once, follow-ups first. Why not every step: a sync per step idles the GPU while the host
+reads the flags and launches the next step; CHECK_EVERY = 8 costs a finished row at most 7 frozen steps (~1.4% of
+a 256-token reply on average) and removes 7 of every 8 syncs. The host never needs the rows' positions: it bounds
+them by prompt + steps taken.
+
+Prefill: the refilled rows in batches (right-padded to the batch's longest prompt, at most PREFILL_TOKENS padded
+tokens a forward, eager), each forward writing only its rows' slots 0..P-1 and attending over its own prompt.
+
+Sampling on the device: argmax at temperature 0; otherwise inverse-CDF sampling of softmax(logits / T) with the
+uniform of token i of a request drawn from a counter-based hash of (request seed, i) in torch integer ops, so a
+sampled answer depends on its seed only, not on the row, the batch or what ran beside it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..inference.attention import restore_sdpa, use_packed_gqa
+from ..inference.cuda_graph import GraphedStep, resolve_graphs
+from ..inference.decoding import device_sync
+from ..inference.target_runner import StaticKVCache, cache_kwarg_name
+from ..models.target import TargetInfo
+
+CHECK_EVERY = 8          # decoding steps between host checks for ended rows (see the module docstring)
+WINDOW = 128             # attention reads the longest live row's slots rounded up to this (one graph per window)
+PREFILL_TOKENS = 1 << 15  # padded prompt tokens per prefill forward (its [n, 1, P, P] mask and activations)
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class Request:
+    key: Any                  # the caller's handle (returned with the tokens)
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0  # 0 = greedy
+    seed: int = 0             # sampled tokens depend on (seed, token index) only
+
+
+@dataclass
+class EngineStats:
+    requests: int = 0
+    generated_tokens: int = 0
+    steps: int = 0            # decoding steps
+    row_steps: int = 0        # steps x rows stepped (the bucket): what the generated tokens cost
+    prefill_tokens: int = 0   # prompt tokens prefilled
+    prefill_padded: int = 0   # tokens the prefill forwards computed (right padding included)
+    seconds: float = 0.0
+
+    def add(self, other: "EngineStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors holding values < 2^32 (odd multipliers < 2^31: no int64 overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """seed [n] int64 (any value), index [n] int64 -> uniforms [n] float32 in (0, 1): a pure function of both."""
+    h = _mix32((seed & _M32) ^ _mix32(((seed >> 32) & _M32) ^ _mix32(index & _M32)))
+    h = _mix32(h ^ 0x5BD1E995)
+    return ((h >> 8).float() + 0.5) / float(1 << 24)
+
+
+def pick_seeded(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor, index: torch.Tensor,
+                sampled: bool) -> torch.Tensor:
+    """logits [n, V], temperature [n] (0 = greedy), seed/index [n] -> tokens [n], on the device, no host sync."""
+    greedy = logits.argmax(dim=-1)
+    if not sampled:
+        return greedy
+    probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
+    cdf = probs.cumsum(dim=-1)                                                       # [n, V]
+    u = seeded_uniform(seed, index) * cdf[:, -1]
+    tok = torch.searchsorted(cdf, u[:, None], right=True)[:, 0].clamp_(max=logits.shape[-1] - 1)
+    return torch.where(temperature > 0, tok, greedy)
+
+
+class RowKVCache(StaticKVCache):
+    """StaticKVCache for per-row lengths: a decoding step writes row r's token at slot pos[r], over the first `rows`
+    rows of the buffers; the runner's version writes one shared slot for every row."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rows = self.keys[0].shape[0]
+        self.pos: torch.Tensor | None = None  # [rows] long: the slot of each row's token
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states [rows, kv_heads, 1, d] -> views [rows, kv_heads, visible, d] of the layer's buffers."""
+        k, v = self.keys[layer_idx][: self.rows], self.values[layer_idx][: self.rows]
+        idx = self.pos.view(-1, 1, 1, 1).expand_as(key_states)
+        k.scatter_(2, idx, key_states.to(k.dtype))
+        v.scatter_(2, idx, value_states.to(v.dtype))
+        return k[:, :, : self.visible], v[:, :, : self.visible]
+
+
+class _PrefillWriter:
+    """Duck-typed HF cache for one prefill forward: writes rows `rows` [n], slots 0..P-1, of the engine's cache and
+    lets the forward attend over its own prompt only (a refilled row's earlier slots are stale)."""
+
+    is_compileable = False
+
+    def __init__(self, cache: StaticKVCache, rows: torch.Tensor):
+        self.cache, self.rows = cache, rows
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states [n, kv_heads, P, d] -> the same (attention over the prompt itself)."""
+        P = key_states.shape[2]
+        for buf, new in ((self.cache.keys[layer_idx], key_states), (self.cache.values[layer_idx], value_states)):
+            buf[:, :, :P].index_copy_(0, self.rows, new.to(buf.dtype))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class Engine:
+    """Continuous batching over `batch_size` rows of `max_len` slots; every request needs prompt + max_new_tokens
+    <= max_len. stop_ids end a reply (the stop token is kept). graphs None = CUDA graphs on CUDA devices.
+    One engine per thread (its cache and state are its own); `run` may be called again after it returns."""
+
+    def __init__(self, hf, batch_size: int, max_len: int, stop_ids=(), graphs: bool | None = None,
+                 window: int = WINDOW, check_every: int = CHECK_EVERY, prefill_tokens: int = PREFILL_TOKENS,
+                 packed_gqa: bool = True, pad_id: int = 0):
+        if batch_size < 1 or max_len < 2 or window < 1 or check_every < 1:
+            raise ValueError(f"bad engine shape: batch_size={batch_size}, max_len={max_len}, window={window}, "
+                             f"check_every={check_every}")
+        use_packed_gqa(hf) if packed_gqa else restore_sdpa(hf)
+        self.hf = hf.eval()
+        self.base, self.head = getattr(hf, hf.base_model_prefix), hf.get_output_embeddings()
+        emb = hf.get_input_embeddings().weight
+        self.device = dev = emb.device
+        self.graphs = resolve_graphs(graphs, dev)
+        info = TargetInfo.from_config(hf.config)
+        self.b, self.max_len, self.window, self.check_every = batch_size, max_len, window, check_every
+        self.prefill_tokens, self.pad_id = prefill_tokens, pad_id
+        self.cache = RowKVCache(info.num_layers, batch_size, info.num_key_value_heads, max_len, info.head_dim,
+                                emb.dtype, dev)
+        self._step_kwarg = cache_kwarg_name(hf)
+        self._prefill_kwarg = cache_kwarg_name(self.base)
+        b = batch_size
+        # Per-row device state ([b] each; out [b, max_len]). Ended and empty rows have finished = True.
+        self.tok = torch.zeros(b, dtype=torch.long, device=dev)       # the token fed next
+        self.pos = torch.zeros(b, dtype=torch.long, device=dev)       # its slot (= its position id)
+        self.count = torch.zeros(b, dtype=torch.long, device=dev)     # tokens generated so far
+        self.limit = torch.ones(b, dtype=torch.long, device=dev)      # the request's max_new_tokens
+        self.finished = torch.ones(b, dtype=torch.bool, device=dev)
+        self.temp = torch.zeros(b, dtype=torch.float32, device=dev)
+        self.seed = torch.zeros(b, dtype=torch.long, device=dev)
+        self.out = torch.zeros(b, max_len, dtype=torch.long, device=dev)  # generated tokens per row
+        self.stop_ids = torch.tensor(sorted({int(t) for t in stop_ids}), dtype=torch.long, device=dev)
+        self.kv_idx = torch.arange(max_len, device=dev)
+        # Host state per row: the request, its prompt length, its last possible slot, the step it was prefilled at.
+        self._req: list[Request | None] = [None] * b
+        self._plen, self._cap, self._since = [0] * b, [0] * b, [0] * b
+        self._queue: deque[Request] = deque()
+        self._steps: dict[tuple[int, int, bool], GraphedStep] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._t = 0  # steps taken by this engine
+
+    def submit(self, request: Request) -> None:
+        """Queue a request ahead of the run's iterator (on_done's follow-ups: the next turn is due now)."""
+        self._queue.append(request)
+
+    @torch.no_grad()
+    def run(self, requests: Iterable[Request], on_done: Callable[[Request, list[int]], None],
+            stop=None) -> EngineStats:
+        """Decode every request of `requests` (pulled lazily, as rows free up) and of submit(); on_done(request,
+        tokens) for each as it ends. A set `stop` (threading.Event) ends the run at the next check: requests in
+        flight are dropped without on_done."""
+        stats = EngineStats()
+        source = iter(requests)
+        device_sync(self.device)
+        t0 = time.perf_counter()
+        try:
+            while True:
+                self._collect(on_done, stats)
+                if stop is not None and stop.is_set():
+                    break
+                self._refill(source, stats)
+                occupied = [r for r in range(self.b) if self._req[r] is not None]
+                if not occupied:
+                    break
+                bucket = min(self.b, 1 << (max(occupied)).bit_length())
+                sampled = any(self._req[r].temperature > 0 for r in occupied)
+                # Slot bounds: a live row advances one slot a step up to its cap; an ended one stays put.
+                reach = max(min(self._plen[r] + self._t - self._since[r], self._cap[r]) for r in occupied)
+                cap = max(self._cap[r] for r in occupied)
+                for j in range(self.check_every):
+                    visible = min(self.max_len, -(-(min(reach + j, cap) + 1) // self.window) * self.window)
+                    self._graphed(bucket, visible, sampled)()
+                    self._t += 1
+                stats.steps += self.check_every
+                stats.row_steps += self.check_every * bucket
+        finally:
+            self._reset()
+        device_sync(self.device)
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    # ------------------------------------------------------------------------------------------ host side
+
+    def _collect(self, on_done, stats: EngineStats) -> None:
+        """Hand the ended rows' tokens to on_done and free their rows."""
+        occupied = [r for r in range(self.b) if self._req[r] is not None]
+        if not occupied:
+            return
+        finished, count = torch.stack([self.finished.long(), self.count]).tolist()  # host sync, once per check
+        rows = [r for r in occupied if finished[r]]
+        if not rows:
+            return
+        n = max(count[r] for r in rows)
+        tokens = self.out[torch.tensor(rows, device=self.device), :n].tolist()
+        for r, toks in zip(rows, tokens):
+            req, self._req[r] = self._req[r], None
+            out = toks[: count[r]]
+            stats.requests += 1
+            stats.generated_tokens += len(out)
+            on_done(req, out)
+
+    def _refill(self, source, stats: EngineStats) -> None:
+        """Prefill the next requests (follow-ups first) into the free rows, lowest rows first."""
+        free = [r for r in range(self.b) if self._req[r] is None]
+        new: list[Request] = []
+        while len(new) < len(free):
+            req = self._queue.popleft() if self._queue else next(source, None)
+            if req is None:
+                break
+            P = len(req.prompt_ids)
+            if P == 0 or req.max_new_tokens < 1 or P + req.max_new_tokens > self.max_len:
+                raise ValueError(f"request {req.key!r}: prompt of {P} tokens + {req.max_new_tokens} new tokens "
+                                 f"does not fit the engine's {self.max_len} slots (or is empty)")
+            new.append(req)
+        start = 0
+        while start < len(new):  # chunks of at most prefill_tokens padded tokens (always at least one request)
+            end, longest = start + 1, len(new[start].prompt_ids)
+            while end < len(new) and (end + 1 - start) * max(longest, len(new[end].prompt_ids)) <= self.prefill_tokens:
+                longest = max(longest, len(new[end].prompt_ids))
+                end += 1
+            self._prefill(free[start:end], new[start:end], stats)
+            start = end
+
+    def _prefill(self, rows: list[int], reqs: list[Request], stats: EngineStats) -> None:
+        """Right-padded prefill of reqs into rows; sets each row's first token and state."""
+        dev, n = self.device, len(reqs)
+        lens = [len(r.prompt_ids) for r in reqs]
+        P = max(lens)
+        ids = torch.tensor([r.prompt_ids + [self.pad_id] * (P - len(r.prompt_ids)) for r in reqs], device=dev)
+        lens_t = torch.tensor(lens, device=dev)                                              # [n]
+        rows_t = torch.tensor(rows, device=dev)
+        kv = self.kv_idx[:P]
+        # [n, 1, P, P]: causal within the prompt, padding keys hidden (a padding query still sees slot 0).
+        mask = ((kv[None, :] <= kv[:, None])[None] & (kv[None, :] < lens_t[:, None])[:, None, :])[:, None]
+        pos = kv[None, :].expand(n, P)
+        hidden = self.base(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                           **{self._prefill_kwarg: _PrefillWriter(self.cache, rows_t)}).last_hidden_state
+        logits = self.head(hidden[torch.arange(n, device=dev), lens_t - 1])                # [n, V]
+        temp = torch.tensor([float(r.temperature) for r in reqs], dtype=torch.float32, device=dev)
+        seed = torch.tensor([_seed64(r.seed) for r in reqs], dtype=torch.long, device=dev)
+        limit = torch.tensor([r.max_new_tokens for r in reqs], device=dev)
+        first = pick_seeded(logits, temp, seed, torch.zeros(n, dtype=torch.long, device=dev),
+                            any(r.temperature > 0 for r in reqs))
+        self.tok[rows_t] = first
+        self.pos[rows_t] = lens_t
+        self.count[rows_t] = 1
+        self.limit[rows_t] = limit
+        self.temp[rows_t], self.seed[rows_t] = temp, seed
+        self.out[rows_t, 0] = first
+        self.finished[rows_t] = (first[:, None] == self.stop_ids[None, :]).any(-1) | (limit <= 1)
+        for r, req, L in zip(rows, reqs, lens):
+            self._req[r], self._plen[r], self._cap[r], self._since[r] = req, L, L + req.max_new_tokens - 1, self._t
+        stats.prefill_tokens += sum(lens)
+        stats.prefill_padded += n * P
+
+    def _reset(self) -> None:
+        """Drop whatever is in flight (a stop, an error): the engine is ready for the next run."""
+        self._req = [None] * self.b
+        self._queue.clear()
+        self.finished.fill_(True)
+
+    # ------------------------------------------------------------------------------------------ device side
+
+    def _decode(self, bucket: int, visible: int, sampled: bool) -> None:
+        """One step of rows [0, bucket): feed each row's token at its slot, pick the next, advance the live rows.
+        Capturable: device ops only, on buffers whose addresses never change."""
+        pos, tok, count = self.pos[:bucket], self.tok[:bucket], self.count[:bucket]
+        finished = self.finished[:bucket]
+        self.cache.rows, self.cache.pos, self.cache.visible = bucket, pos, visible
+        mask = (self.kv_idx[:visible][None, :] <= pos[:, None])[:, None, None, :]             # [bucket, 1, 1, vis]
+        logits = self.hf(input_ids=tok[:, None], position_ids=pos[:, None], attention_mask=mask, use_cache=True,
+                         logits_to_keep=1, **{self._step_kwarg: self.cache}).logits[:, -1]   # [bucket, V]
+        live = ~finished
+        new = torch.where(live, pick_seeded(logits, self.temp[:bucket], self.seed[:bucket], count, sampled), tok)
+        self.out[:bucket].scatter_(1, count[:, None], new[:, None])  # an ended row writes past its end: never read
+        tok.copy_(new)
+        step = live.long()
+        pos.add_(step)
+        count.add_(step)
+        ended = (new[:, None] == self.stop_ids[None, :]).any(-1) | (count >= self.limit[:bucket])
+        finished.logical_or_(live & ended)
+
+    def _graphed(self, bucket: int, visible: int, sampled: bool) -> GraphedStep:
+        key = (bucket, visible, sampled)
+        step = self._steps.get(key)
+        if step is None:
+            fn = lambda: self._decode(bucket, visible, sampled)  # noqa: E731
+            # Warm-up runs the step for real (twice) before the capture: put the row state back afterwards. The
+            # cache slots it wrote are rewritten by the real step (the same token at the same slot) or never seen.
+            state = [t.clone() for t in (self.tok, self.pos, self.count, self.finished, self.out)] if self.graphs \
+                else None
+            step = GraphedStep(fn, self.graphs, pool=self._pool)
+            if state is not None:
+                for t, saved in zip((self.tok, self.pos, self.count, self.finished, self.out), state):
+                    t.copy_(saved)
+            self._steps[key] = step
+        return step
+
+
+def _seed64(seed: int) -> int:
+    """Any Python int -> a non-negative int64 (the device hash takes the rest)."""
+    return int(seed) & ((1 << 63) - 1)

@@ -1,0 +1,198 @@
+"""The continuous-batching engine (generation/engine.py) against one-prompt-at-a-time decoding, its seeded sampling,
+and sampled regeneration (`regenerate --samples`), on tiny models (CPU)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from tiny_chat import make_tiny_chat_target, write_chats
+
+from dflash_train.cli import main
+from dflash_train.data.sources import iter_conversations
+from dflash_train.generation.engine import Engine, Request, pick_seeded, seeded_uniform
+from dflash_train.models.target import load_causal_lm
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def naive_greedy(hf, prompt: list[int], n: int, stop=()) -> list[int]:
+    """Obviously correct: a full forward over the whole sequence for every new token; ends after a stop token."""
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(int(hf(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+        seq.append(out[-1])
+        if out[-1] in stop:
+            break
+    return out
+
+
+def run_engine(engine: Engine, requests: list[Request], on_done=None) -> dict:
+    got = {}
+
+    def done(req, tokens):
+        assert req.key not in got
+        got[req.key] = tokens
+        if on_done:
+            on_done(req, tokens)
+
+    stats = engine.run(iter(requests), done)
+    assert stats.requests == len(got) and stats.generated_tokens == sum(map(len, got.values()))
+    return got
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_qwen3):
+    return load_causal_lm(tiny_qwen3, torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def cases(hf):
+    """Prompts of 1..29 tokens with their own max_new_tokens (1..30), greedy references, and a stop token that ends
+    some replies early."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (int(k),), generator=g).tolist() for k in torch.randint(1, 30, (12,), generator=g)]
+    prompts[0] = [5]                                                       # a one-token prompt
+    news = [3, 17, 1, 9, 25, 5, 12, 2, 30, 7, 14, 20]
+    refs = [naive_greedy(hf, p, n) for p, n in zip(prompts, news)]
+    counts = Counter(t for r in refs for t in set(r[1:-1]))
+    stop = counts.most_common(1)[0][0]  # inside several replies: they end there, at different steps
+    return prompts, news, refs, stop
+
+
+@pytest.mark.parametrize("batch, window, check", [(1, 128, 8), (3, 8, 3), (5, 4, 1), (16, 16, 8)])
+def test_engine_greedy_equals_one_prompt_at_a_time(hf, cases, batch, window, check):
+    """Rows of different lengths ending at different times, refilled mid-batch (batch < requests), windows crossed,
+    more rows than requests; with and without a stop token."""
+    prompts, news, refs, stop = cases
+    engine = Engine(hf, batch, 64, stop_ids=[], window=window, check_every=check)
+    got = run_engine(engine, [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))])
+    assert [got[i] for i in range(len(prompts))] == refs
+    engine = Engine(hf, batch, 64, stop_ids=[stop], window=window, check_every=check)
+    got = run_engine(engine, [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))])
+    cut = [r[: r.index(stop) + 1] if stop in r else r for r in refs]
+    assert [got[i] for i in range(len(prompts))] == cut
+    assert sum(stop in r for r in refs) >= 2 and cut != refs
+
+
+def test_engine_reused_small_prefill_chunks_and_max_len_boundary(hf):
+    """One engine, several runs; prefill chunks of one request each; a request filling the cache exactly (prompt +
+    max_new_tokens = max_len) and one that does not fit (an error, not a wrong answer)."""
+    engine = Engine(hf, 2, 24, window=8, check_every=2, prefill_tokens=1)
+    reqs = [Request("full", list(range(1, 15)), 10), Request("short", [7, 8], 22), Request("one", [9], 1)]
+    for _ in range(2):
+        got = run_engine(engine, reqs)
+        assert got == {r.key: naive_greedy(hf, r.prompt_ids, r.max_new_tokens) for r in reqs}
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.run(iter([Request("long", list(range(1, 20)), 6)]), lambda *a: None)
+    assert run_engine(engine, reqs[:1])["full"] == got["full"]  # still usable after the error
+
+
+def test_engine_follow_up_requests_continue_a_conversation(hf):
+    """on_done submits the next turn (prompt = history + reply + a new user token): the answers equal decoding the
+    whole history from scratch, turn by turn."""
+    engine = Engine(hf, 2, 96, window=16, check_every=4)
+    starts = {k: [k + 1] * (k + 2) for k in range(4)}
+    turns = Counter()
+
+    def follow(req, tokens):
+        turns[req.key[0]] += 1
+        if turns[req.key[0]] < 3:
+            engine.submit(Request((req.key[0], turns[req.key[0]]), req.prompt_ids + tokens + [50], 6 + req.key[0]))
+
+    got = run_engine(engine, [Request((k, 0), p, 6 + k) for k, p in starts.items()], follow)
+    assert len(got) == 12
+    for k, p in starts.items():
+        history = list(p)
+        for t in range(3):
+            ref = naive_greedy(hf, history, 6 + k)
+            assert got[(k, t)] == ref, (k, t)
+            history += ref + [50]
+
+
+def test_seeded_sampling_follows_the_distribution():
+    """Inverse-CDF sampling with hashed uniforms: frequencies match softmax(logits / T); uniforms are in (0, 1) and
+    differ across seeds and token indices."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5]])
+    n = 20000
+    seeds, index = torch.arange(n), torch.zeros(n, dtype=torch.long)
+    for T in (1.0, 0.5):
+        toks = pick_seeded(logits.expand(n, 5), torch.full((n,), T), seeds, index, sampled=True)
+        freq = torch.bincount(toks, minlength=5).float() / n
+        torch.testing.assert_close(freq, torch.softmax(logits[0] / T, -1), atol=0.015, rtol=0)
+    u = seeded_uniform(torch.tensor([3] * 1000), torch.arange(1000))
+    assert 0 < float(u.min()) and float(u.max()) < 1 and len(set(u.tolist())) > 990
+    assert (pick_seeded(logits, torch.zeros(1), seeds[:1], index[:1], sampled=True) == 0).all()  # greedy row
+
+
+def test_sampled_answers_depend_on_their_seed_only(hf, cases):
+    """The same requests at temperature 1 in other batch sizes, orders and rows (beside greedy rows): each answer is
+    the same; other seeds give other answers; greedy rows still equal greedy decoding."""
+    prompts, news, refs, _ = cases
+    sampled = [Request(i, p, n, 1.0, seed=1000 + i) for i, (p, n) in enumerate(zip(prompts, news))]
+    greedy = [Request(("g", i), p, n) for i, (p, n) in enumerate(zip(prompts, news))]
+    a = run_engine(Engine(hf, 1, 64, window=8), sampled)
+    b = run_engine(Engine(hf, 4, 64, window=16, check_every=3), [x for pair in zip(greedy, sampled[::-1])
+                                                                   for x in pair])
+    assert {k: b[k] for k in a} == a
+    assert [b[("g", i)] for i in range(len(prompts))] == refs
+    other = run_engine(Engine(hf, 4, 64), [Request(r.key, r.prompt_ids, r.max_new_tokens, 1.0, seed=r.seed + 1)
+                                           for r in sampled])
+    long = [k for k in a if len(a[k]) >= 5]
+    assert sum(other[k] != a[k] for k in long) >= len(long) - 1
+    assert sum(a[k] != refs[k] for k in long) >= len(long) - 1
+
+
+# ------------------------------------------------------------------------------------------ regenerate --samples
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    return make_tiny_chat_target(tmp_path_factory.mktemp("chat_target"), "llama")
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_regenerate_samples_are_reproducible_resumable_and_keep_the_split(chat_target, tmp_path, capsys):
+    data = write_chats(tmp_path / "chats.jsonl", 6, turns=2)
+    base = ["regenerate", "--target", chat_target, "--data", str(data), "--max-new-tokens", "6", "--device", "cpu",
+            "--samples", "3", "--temperature", "1.0"]
+    one = tmp_path / "one.jsonl"
+    assert main(base + ["--out", str(one), "--batch-size", "4"]) == 0
+    recs = _records(one)
+    ids = {r["id"] for r in recs}
+    assert ids == {f"chat{i}_0_s{k}" for i in range(6) for k in range(3)}  # random weights: no two samples equal
+    per_chat = Counter(json.dumps(r["messages"]) for r in recs)
+    assert max(per_chat.values()) == 1
+    # Resumed after 2 of 6 conversations, in another batch size: the same records.
+    two = tmp_path / "two.jsonl"
+    assert main(base + ["--out", str(two), "--batch-size", "2", "--max-samples", "2"]) == 0
+    assert len(_records(two)) == 6
+    assert main(base + ["--out", str(two), "--batch-size", "5"]) == 0
+    assert sorted(_records(two), key=lambda r: r["id"]) == sorted(recs, key=lambda r: r["id"])
+    # Every sample of a conversation keys on the conversation: one side of the train/held-out split.
+    keys = {c.key for c in iter_conversations(one, Counter())}
+    assert keys == {f"chat{i}" for i in range(6)}
+    assert main(base[:-4] + ["--out", str(tmp_path / "x.jsonl"), "--samples", "2"]) == 2
+    assert "needs --temperature > 0" in capsys.readouterr().err
+
+
+def test_regenerate_samples_drop_duplicates(chat_target, tmp_path, capsys):
+    """At a temperature near 0 every sample is the greedy answer: one record per conversation, the rest counted as
+    duplicates, also when a rerun regenerates the dropped ones."""
+    data = write_chats(tmp_path / "chats.jsonl", 4, turns=1)
+    out = tmp_path / "dup.jsonl"
+    args = ["regenerate", "--target", chat_target, "--data", str(data), "--out", str(out), "--max-new-tokens", "6",
+            "--device", "cpu", "--samples", "3", "--temperature", "0.0001", "--batch-size", "3"]
+    assert main(args) == 0
+    assert "duplicate_sample=8" in capsys.readouterr().out
+    recs = _records(out)
+    assert sorted(r["id"] for r in recs) == [f"chat{i}_0_s0" for i in range(4)]
+    greedy = tmp_path / "greedy.jsonl"
+    assert main(args[:-6] + ["--out", str(greedy), "--batch-size", "3"]) == 0
+    assert {r["id"]: r["messages"] for r in _records(greedy)} == {r["id"][:-3]: r["messages"] for r in recs}
+    assert main(args) == 0  # rerun: the dropped samples come back as duplicates of what the file holds
+    assert "duplicate_sample=8" in capsys.readouterr().out and _records(out) == recs
