@@ -184,9 +184,14 @@ def derive_ratios(rows) -> dict:
             ideal = 1.0 / (1.0 / t.tokens_per_s + 1.0 / d.tokens_per_s)
             out["colocated tokens/s vs stages alone back to back"] = colo.tokens_per_s / ideal
     before = _row(rows, "generate", "arrival order, whole cache")
-    now = _row(rows, "generate", "sorted pools, windowed, packed GQA")
+    now = _row(rows, "generate", "continuous batching (regenerate now)")
     if before and now:
         out["generate: regenerate now vs before (tokens/s)"] = now.tokens_per_s / before.tokens_per_s
+    static, cont = (_row(rows, "generate", v) for v in ("sorted pools, windowed, packed GQA, varied replies",
+                                                         "continuous batching, varied replies"))
+    if static and cont:
+        out["generate: continuous batching vs sorted pools, varied replies (tokens/s)"] = \
+            cont.tokens_per_s / static.tokens_per_s
     out.update(pipeline_ratios([r for r in rows if r.bench == "pipeline" and r.status == "ok" and r.tokens_per_s],
                                colo))
     return out

@@ -196,3 +196,13 @@ def test_regenerate_samples_drop_duplicates(chat_target, tmp_path, capsys):
     assert {r["id"]: r["messages"] for r in _records(greedy)} == {r["id"][:-3]: r["messages"] for r in recs}
     assert main(args) == 0  # rerun: the dropped samples come back as duplicates of what the file holds
     assert "duplicate_sample=8" in capsys.readouterr().out and _records(out) == recs
+
+
+def test_engine_counts_the_kv_it_reads(hf):
+    """One row, a window of one slot, a check every step: the steps read exactly each token's own context."""
+    reqs = [Request(i, [3 + i] * (4 + i), 5 + i) for i in range(3)]
+    stats = Engine(hf, 1, 32, window=1, check_every=1).run(iter(reqs), lambda *a: None)
+    assert stats.kv_slots_needed == sum((n - 1) * (P + 1) + (n - 1) * (n - 2) // 2 for P, n in ((4, 5), (5, 6), (6, 7)))
+    assert stats.kv_slots_read == stats.kv_slots_needed and stats.row_steps == stats.steps == 4 + 5 + 6
+    wide = Engine(hf, 4, 32, window=8).run(iter(reqs), lambda *a: None)
+    assert wide.kv_slots_needed == stats.kv_slots_needed < wide.kv_slots_read

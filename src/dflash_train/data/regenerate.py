@@ -57,7 +57,6 @@ from .sources import Conversation, DataError, iter_conversations, open_source
 
 log = logging.getLogger("dflash_train")
 
-MIN_CACHE_SLOTS = 128  # the static cache is sized in powers of two from here up to max_length (grown when needed)
 MAX_AUTO_BATCH = 768   # the largest batch measured on real data (docs/BENCHMARKS.md section 11: SmolLM2 on an H200)
 CPU_BATCH = 8          # `--batch-size auto` on a CPU
 LOOKAHEAD_BATCHES = 8  # due replies pooled (in batches) so that each batch can take prompts of similar length
@@ -235,15 +234,6 @@ def batch_size_for(models, max_length: int) -> int:
         free = torch.cuda.mem_get_info(weight.device)[0] if weight.device.type == "cuda" else None
         sizes.append(auto_batch_size(kv, max_length, free))
     return min(sizes)
-
-
-def cache_slots(needed: int, max_length: int) -> int:
-    """Static cache size for a batch needing `needed` slots: a power of two from MIN_CACHE_SLOTS, capped at
-    max_length (few sizes, so a run allocates few caches)."""
-    slots = MIN_CACHE_SLOTS
-    while slots < needed:
-        slots *= 2
-    return max(min(slots, max_length), needed)
 
 
 class Regenerator:

@@ -66,6 +66,8 @@ class EngineStats:
     row_steps: int = 0        # steps x rows stepped (the bucket): what the generated tokens cost
     prefill_tokens: int = 0   # prompt tokens prefilled
     prefill_padded: int = 0   # tokens the prefill forwards computed (right padding included)
+    kv_slots_read: int = 0    # sum over steps of rows x visible slots: the KV the steps' attention read
+    kv_slots_needed: int = 0  # sum over decoded tokens of their own context: what reading only each row's slots costs
     seconds: float = 0.0
 
     def add(self, other: "EngineStats") -> None:
@@ -216,6 +218,7 @@ class Engine:
                     visible = min(self.max_len, -(-(min(reach + j, cap) + 1) // self.window) * self.window)
                     self._graphed(bucket, visible, sampled)()
                     self._t += 1
+                    stats.kv_slots_read += bucket * visible
                 stats.steps += self.check_every
                 stats.row_steps += self.check_every * bucket
         finally:
@@ -242,6 +245,8 @@ class Engine:
             out = toks[: count[r]]
             stats.requests += 1
             stats.generated_tokens += len(out)
+            steps, P = len(out) - 1, self._plen[r]  # the first token came from the prefill
+            stats.kv_slots_needed += steps * (P + 1) + steps * (steps - 1) // 2
             on_done(req, out)
 
     def _refill(self, source, stats: EngineStats) -> None:
