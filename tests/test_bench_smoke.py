@@ -40,8 +40,10 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
     compiled = [r for r in drafter if r["variant"].startswith("compile")]
     assert all(r["extra"]["compile"]["graph_breaks"] == 0 for r in compiled), compiled
     generate = [r for r in rows if r["bench"] == "generate"]
-    assert len(generate) == 4 and all(r["status"] == "ok" for r in generate), generate
-    assert all(r["extra"]["same_as_first"] == 1.0 for r in generate)  # fp32: batching changes no output
+    assert len(generate) == 8 and all(r["status"] == "ok" for r in generate), generate
+    decoded = [r for r in generate if not r["variant"].startswith("bound")]
+    assert len(decoded) == 7 and all(r["extra"]["same_as_first"] == 1.0 for r in decoded)  # fp32: batching changes
+    assert generate[-1]["tokens_per_s"] > 0                                                  # no output
     pipeline = {r["variant"]: r for r in rows if r["bench"] == "pipeline"}
     assert all(r["status"] == "ok" for r in pipeline.values()), pipeline
     assert pipeline["one CPU shared"]["extra"]["vs_slowest_stage"] > 0
