@@ -1,7 +1,9 @@
 """Plain target-only generation on the speculative harness (same static cache, same graphs): the honest baseline.
 
 `target_generate` decodes one prompt token by token with a q = 1 step; `BatchGenerator` / `generate_batch` decode a
-left-padded batch (dataset regeneration). Greedy at temperature 0, plain sampling otherwise.
+left-padded batch until its longest reply ends (self-written prompts sample from it; the generate benchmark's static
+rows). Dataset regeneration runs on generation/engine.py instead: continuous batching, rows refilled as they end.
+Greedy at temperature 0, plain sampling otherwise.
 
 Batched decoding cost is memory traffic over the KV cache: every step reads, for every row, all the slots attention
 looks at. Two things keep that proportional to what the batch really holds: the batch generator attends over a
