@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# Hang guards, not speed limits (speed is the benchmarks' business): 10x and more the normal time on an idle 2-core
+# box, so that a busy machine never trips one. pytest-timeout (pyproject.toml) guards each test as a whole.
+RUN_HANG_GUARD_S = 300   # a CLI or torchrun subprocess run by a test: seconds to tens of seconds
+STOP_HANG_GUARD_S = 60   # a process or pipeline stopping after a signal, a kill or a peer's failure: about a second
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512, rms_norm_eps=1e-6)
@@ -27,6 +34,14 @@ def make_tiny_target(path, kind: str = "llama", seed: int = 0, **overrides):
         raise ValueError(kind)
     model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def fixed_seed():
+    """Every test starts from the same RNG state: it draws the same numbers run alone (-k) as in the whole suite."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ from dflash_train.data.regenerate import read_done_ids
 from dflash_train.data.sources import iter_conversations
 from dflash_train.models.target import load_tokenizer
 from dflash_train.training.plots import write_training_plots
+from conftest import RUN_HANG_GUARD_S, STOP_HANG_GUARD_S
 from tiny_chat import make_tiny_chat_target, write_chats
 
 
@@ -164,12 +165,15 @@ def test_sigterm_stops_regeneration_after_its_batch_and_a_rerun_resumes(chat_tar
            "--out", str(out), "--max-new-tokens", "8", "--batch-size", "2", "--device", "cpu"]
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
     proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + RUN_HANG_GUARD_S  # the first batches are written within seconds
     while not (out.is_file() and out.read_text().count("\n") >= 2):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        assert proc.poll() is None, proc.communicate()
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"hang guard: fewer than 2 records in {RUN_HANG_GUARD_S} s: {proc.communicate()}")
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=30)
+    stdout, stderr = proc.communicate(timeout=STOP_HANG_GUARD_S)  # it stops after its batch in flight
     assert proc.returncode == 0, stderr
     assert "stopped by SIGTERM" in stdout and "rerun the same command to resume" in stdout
     first = _records(out)                                  # every line whole

@@ -17,12 +17,11 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_weights
+from conftest import RUN_HANG_GUARD_S, assert_same_weights
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 THIS = str(Path(__file__).resolve())
@@ -30,6 +29,7 @@ STEPS = 12
 # 40 short synthetic documents pack into a few rows per epoch, so 24 batches span several epochs.
 COMMON = [f"train.max_steps={STEPS}", "train.log_every=1", "data.synthetic_samples=40", "pipeline.stall_timeout_s=60"]
 METRICS = ("loss", "acc", "cond_acc", "tau_est", "lr")
+pytestmark = pytest.mark.slow  # several processes each
 
 
 # ---------------------------------------------------------------------------------------------- rank entry
@@ -88,13 +88,15 @@ def rank_results(prefix: Path) -> list[dict]:
 
 
 
-def finish(proc: subprocess.Popen, timeout: float) -> str:
+def finish(proc: subprocess.Popen) -> str:
+    """The process's output once it ends. No speed limit: the tests' messages show that ranks stop by noticing
+    each other (pipeline.stall_timeout_s=60 would say so); a run past the hang guard is killed."""
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _ = proc.communicate(timeout=RUN_HANG_GUARD_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, _ = proc.communicate()
-        pytest.fail(f"did not finish within {timeout} s:\n{out[-6000:]}")
+        pytest.fail(f"hang guard: did not finish within {RUN_HANG_GUARD_S} s:\n{out[-6000:]}")
     return out
 
 
@@ -116,7 +118,7 @@ def test_two_processes_train_exactly_like_one_process_with_two_replicas(referenc
     out = tmp_path / "dist"
     proc = torchrun([THIS, "--rank-entry", str(tmp_path / "result"), f"model.target={tiny_llama}",
                      f"run.out_dir={out}", *COMMON], tmp_path)
-    log = finish(proc, 150)
+    log = finish(proc)
     assert proc.returncode == 0, log[-6000:]
     r0, r1 = rank_results(tmp_path / "result")
 
@@ -148,18 +150,16 @@ def test_a_failing_rank_stops_both_and_rank0_checkpoints_resume_exactly(referenc
     out = tmp_path / "run"
     args = ["-m", "dflash_train.cli", "train", "--config", "tiny_cpu", f"model.target={tiny_llama}",
             f"run.out_dir={out}", *COMMON, "train.checkpoint_every=4"]
-    t0 = time.monotonic()
     proc = torchrun(args, tmp_path, DFLASH_FAULT="drafter0:step=6:raise", DFLASH_FAULT_RANK="1")
-    log = finish(proc, 90)
-    assert time.monotonic() - t0 < 60, log[-6000:]
-    assert proc.returncode != 0
+    log = finish(proc)
+    assert proc.returncode != 0, log[-6000:]
     assert "InjectedFault: injected fault drafter0:step=6:raise" in log, log[-6000:]  # rank 1's traceback
     assert "RuntimeError: rank 1 failed; see its log" in log, log[-6000:]  # rank 0 stopped by itself, naming it
     state = torch.load(out / "checkpoints" / "step_00000004" / "training_state.pt", weights_only=False)
     assert state["step"] == 4 and state["data_position"] == 8  # global batches consumed: 4 steps x 2 replicas
 
     proc = torchrun([*args, "run.resume=auto"], tmp_path)  # every rank resumes from rank 0's checkpoint
-    log = finish(proc, 150)
+    log = finish(proc)
     assert proc.returncode == 0, log[-6000:]
     assert log.count("resuming from") == 2 and "at step 4" in log
     assert_same_weights(out / "drafter", reference.drafter_dir)
@@ -170,10 +170,9 @@ def test_a_rank_failing_after_its_last_step_stops_the_other_in_the_final_check(t
     all-reduce the other rank no longer waits in): both end non-zero, rank 0 naming rank 1."""
     args = ["-m", "dflash_train.cli", "train", "--config", "tiny_cpu", f"model.target={tiny_llama}",
             f"run.out_dir={tmp_path / 'run'}", *COMMON]
-    t0 = time.monotonic()
     proc = torchrun(args, tmp_path, DFLASH_FAULT="coordinator:shutdown:raise", DFLASH_FAULT_RANK="1")
-    log = finish(proc, 90)
-    assert proc.returncode != 0 and time.monotonic() - t0 < 60, log[-6000:]
+    log = finish(proc)
+    assert proc.returncode != 0, log[-6000:]
     assert "InjectedFault: injected fault coordinator:shutdown:raise" in log, log[-6000:]
     assert "PeerStopped: rank 1 failed; see its log" in log, log[-6000:]  # rank 0, in the final check
 
@@ -195,12 +194,10 @@ def test_a_rank_that_dies_hard_does_not_hang_the_other(tiny_llama, tmp_path):
             [sys.executable, THIS, "--rank-entry", str(tmp_path / "result"), f"model.target={tiny_llama}",
              f"run.out_dir={tmp_path / 'run'}", *COMMON, "train.max_steps=1000"],
             env=env, cwd=tmp_path, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    t0 = time.monotonic()
-    finish(procs[1], 90)
-    out0 = finish(procs[0], 60)
+    finish(procs[1])
+    out0 = finish(procs[0])
     assert procs[1].returncode == 9
     assert procs[0].returncode != 0
-    assert time.monotonic() - t0 < 60
     assert "another rank's process ended without saying why" in out0, out0[-6000:]
 
 

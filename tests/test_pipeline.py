@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_weights
+from conftest import RUN_HANG_GUARD_S, STOP_HANG_GUARD_S, assert_same_weights
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.pipeline.coordinator import train_pipeline
@@ -104,11 +103,9 @@ def test_resume_after_a_crash_is_exact(tiny_llama, tmp_path, monkeypatch):
 ])
 def test_a_failing_worker_stops_the_run_and_is_named(fault, needle, tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, fault)
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError) as info:
+    with pytest.raises(RuntimeError) as info:  # a run that never stops is failed by pytest-timeout (pyproject)
         train_pipeline(cfg_for(tiny_llama, tmp_path / "run", drafters=("cpu", "cpu"),
                                **{"train.max_steps": 1000}))
-    assert time.monotonic() - t0 < 30
     message = str(info.value)
     assert message.startswith(needle), message
     assert f"InjectedFault: injected fault {fault}" in message and "faults.py" in message
@@ -118,12 +115,10 @@ def test_a_failing_worker_stops_the_run_and_is_named(fault, needle, tiny_llama, 
 
 def test_a_stalled_worker_is_reported_not_waited_on(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "drafter1:step=2:stall")
-    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"drafter1 stalled: no progress for \d+\.\d s \(pipeline.stall_timeout_s=2\)"
                        ) as info:
         train_pipeline(cfg_for(tiny_llama, tmp_path / "run", drafters=("cpu", "cpu"),
                                **{"train.max_steps": 1000, "pipeline.stall_timeout_s": 2.0}))
-    assert time.monotonic() - t0 < 30
     assert "faults.py" in str(info.value)  # where the stuck thread was
     assert not pipeline_threads()
 
@@ -168,7 +163,9 @@ def test_nccl_grad_reduce_protocol_gives_every_replica_the_mean(monkeypatch):
     avg = gradsync.GradAverager(n, method="nccl")
     control = RunControl()
     params = [[torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))] for _ in range(n)]
-    grads = {(r, k): [torch.randn(4, 3), torch.randn(5)] for r in range(n) for k in range(rounds)}
+    g = torch.Generator().manual_seed(0)
+    grads = {(r, k): [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)] for r in range(n)
+             for k in range(rounds)}
     losses = {(r, k): torch.tensor(float(10 * k + r)) for r in range(n) for k in range(rounds)}
     seen: dict = {}
     errors: list = []
@@ -197,7 +194,7 @@ def test_nccl_grad_reduce_protocol_gives_every_replica_the_mean(monkeypatch):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(STOP_HANG_GUARD_S)  # hang guard: a replica still waiting fails the count below
     assert not errors and len(seen) == n * rounds, errors
     for k in range(rounds):
         mean = [sum(grads[r, k][i] for r in range(n)) / n for i in range(2)]
@@ -222,10 +219,10 @@ def test_cli_trains_and_fails_with_the_worker_named(tiny_llama, tmp_path):
     ok = _cli([f"model.target={tiny_llama}", f"run.out_dir={tmp_path}/ok", "train.max_steps=4"], tmp_path)
     bad = _cli([f"model.target={tiny_llama}", f"run.out_dir={tmp_path}/bad", "train.max_steps=50"], tmp_path,
                {ENV_VAR: "target0:step=1:raise"})
-    out, err = ok.communicate(timeout=120)
+    out, err = ok.communicate(timeout=RUN_HANG_GUARD_S)
     assert ok.returncode == 0, err
     assert "drafter written to" in out
-    out, err = bad.communicate(timeout=120)
+    out, err = bad.communicate(timeout=RUN_HANG_GUARD_S)
     assert bad.returncode != 0
     assert "target0 failed:" in err and "InjectedFault" in err.strip().splitlines()[-1]
 
@@ -238,7 +235,7 @@ def test_sigterm_stops_cleanly_and_checkpoints(tiny_llama, tmp_path):
         if "step      3/" in line:
             break
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=STOP_HANG_GUARD_S)
     assert proc.returncode == 0, err  # a scheduler's polite stop: a normal end after the checkpoint
     assert "stopped by SIGTERM at step" in err.strip().splitlines()[-1]
     state = torch.load(run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()

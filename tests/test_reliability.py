@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import RUN_HANG_GUARD_S, STOP_HANG_GUARD_S
 
 from dflash_train.cli import main as cli_main
 from dflash_train.config import load_config
@@ -36,7 +37,7 @@ from dflash_train.training.run import RUN_CONFIG_NAME
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 STALL_S = 2.0     # pipeline.stall_timeout_s of stall cells: far above any step here, even on a loaded 2-core box
-EXIT_S = 30.0     # every faulty run must be over within this
+SIGKILL_SEED = 20261201  # fixed: a failure reruns with the same kill point (the message names it)
 
 
 def matrix_cfg(target, out, **over):
@@ -79,8 +80,7 @@ def run_faulty(monkeypatch, cfg, fault: str):
     t0 = time.monotonic()
     with pytest.raises(Exception) as info:
         train_pipeline(cfg)
-    seconds = time.monotonic() - t0
-    assert seconds < EXIT_S, f"{fault}: took {seconds:.1f} s"
+    seconds = time.monotonic() - t0  # for lower bounds only: a stall is reported no sooner than its timeout
     assert not dflash_threads(), dflash_threads()
     return info.value, seconds
 
@@ -260,12 +260,15 @@ def _wait_for_line(proc: subprocess.Popen, needle: str) -> None:
 
 
 def _last_record_per_step(path: Path) -> dict[int, dict]:
-    """metrics.jsonl appends: a resumed run re-logs the steps after its checkpoint; the last record wins."""
-    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+    """metrics.jsonl appends: a resumed run re-logs the steps after its checkpoint; the last record wins. Training
+    records only (validation's split=val records share their step numbers)."""
+    records = map(json.loads, path.read_text().splitlines())
+    return {r["step"]: r for r in records if r.get("split", "train") == "train"}
 
 
+@pytest.mark.slow  # three CLI processes
 def test_sigkill_then_resume_continues_bit_exactly(tiny_llama, tmp_path):
-    seed = random.randrange(1 << 30)
+    seed = SIGKILL_SEED
     rng = random.Random(seed)
     kill_after = rng.randint(5, 20)  # after the first checkpoint (step 4), well before the run ends
     args = [f"model.target={tiny_llama}", "train.max_steps=32", "train.checkpoint_every=4", "train.log_every=1"]
@@ -275,14 +278,14 @@ def test_sigkill_then_resume_continues_bit_exactly(tiny_llama, tmp_path):
     _wait_for_line(proc, f"step {kill_after:>6}/32")
     time.sleep(rng.uniform(0.0, 0.05))  # somewhere in the next step, or in the checkpoint being written
     proc.send_signal(signal.SIGKILL)
-    proc.communicate(timeout=EXIT_S)
+    proc.communicate(timeout=STOP_HANG_GUARD_S)
     assert proc.returncode == -signal.SIGKILL
     killed_at = max(_last_record_per_step(run / "metrics.jsonl"))
     resumed = _cli(args + [f"run.out_dir={run}", "run.resume=auto"], tmp_path)
-    out, err = resumed.communicate(timeout=120)
+    out, err = resumed.communicate(timeout=RUN_HANG_GUARD_S)
     assert resumed.returncode == 0, err
     assert "resuming from" in out
-    out, err = ref.communicate(timeout=120)
+    out, err = ref.communicate(timeout=RUN_HANG_GUARD_S)
     assert ref.returncode == 0, err
     assert [d.name for d in CheckpointManager(run).step_dirs()] == [f"step_{s:08d}" for s in (24, 28, 32)]  # keep 3
     got, want = (_last_record_per_step(r / "metrics.jsonl") for r in (run, tmp_path / "ref"))
@@ -298,11 +301,9 @@ def test_signal_checkpoints_and_exits_with_a_summary(sig, code, tiny_llama, tmp_
     proc = _cli([f"model.target={tiny_llama}", f"run.out_dir={run}", "train.max_steps=100000",
                  "train.log_every=1"], tmp_path)
     _wait_for_line(proc, "step      4/")
-    t0 = time.monotonic()
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=EXIT_S)
+    _, err = proc.communicate(timeout=STOP_HANG_GUARD_S)
     assert proc.returncode == code, err
-    assert time.monotonic() - t0 < 10
     summary = err.strip().splitlines()[-1]
     step = latest_step(run)
     assert summary == (f"stopped by {sig.name} at step {step}; checkpoint at {run}/checkpoints/step_{step:08d}; "
@@ -319,14 +320,16 @@ def test_second_ctrl_c_exits_at_once_without_a_checkpoint(tiny_llama, tmp_path):
                 tmp_path, {ENV_VAR: "coordinator:checkpoint=0:stall"})
     _wait_for_line(proc, "step      3/")
     proc.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + EXIT_S
+    deadline = time.monotonic() + STOP_HANG_GUARD_S
     while not list((run / "checkpoints").glob(".step_*.tmp")):  # the weights are written, the stall begins
-        assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "timeout"
+        assert proc.poll() is None, proc.stderr.read()
+        if time.monotonic() > deadline:
+            pytest.fail(f"hang guard: no checkpoint write began within {STOP_HANG_GUARD_S} s of the first SIGINT")
         time.sleep(0.02)
-    t0 = time.monotonic()
+    # The stalled write never ends by itself (pipeline.stall_timeout_s is 600 s): exit 130 is the second SIGINT's.
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=EXIT_S)
-    assert proc.returncode == 130 and time.monotonic() - t0 < 5, err
+    _, err = proc.communicate(timeout=STOP_HANG_GUARD_S)
+    assert proc.returncode == 130, err
     assert err.strip().splitlines()[-1] == "second SIGINT: stopped at once, without a checkpoint"
     assert latest_step(run) is None
 
