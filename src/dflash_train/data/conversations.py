@@ -61,8 +61,7 @@ class ChatEncoder:
                             "tokens cannot be located; load the model's tokenizer.json (AutoTokenizer, use_fast=True).")
         self.tokenizer, self.max_length = tokenizer, max_length
         self.use_markers = bool(GENERATION_TAG.search(self.template))
-        self.special_ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-        self.special_ids |= set(tokenizer.all_special_ids)
+        self.special_ids = special_token_ids(tokenizer)
 
     @property
     def mask_rule(self) -> str:
@@ -144,6 +143,11 @@ class ChatEncoder:
         if not any(mask):
             return "no_assistant_tokens_within_max_length"
         return Sample(ids, mask)
+
+
+def special_token_ids(tokenizer) -> set[int]:
+    """Every special token id: the added special tokens (e.g. <|im_end|>) and the named ones (bos, eos, pad)."""
+    return {i for i, t in tokenizer.added_tokens_decoder.items() if t.special} | set(tokenizer.all_special_ids)
 
 
 def is_heldout(key: str, seed: int, fraction: float) -> bool:

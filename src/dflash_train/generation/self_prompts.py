@@ -32,6 +32,7 @@ from typing import Iterator
 import jinja2
 import torch
 
+from ..data.conversations import special_token_ids
 from ..errors import UserError
 
 log = logging.getLogger("dflash_train")
@@ -122,11 +123,6 @@ def user_turn_template(tokenizer) -> UserTurnTemplate:
     raise UserError(f"The chat template of {name!r} does not close a user turn with a special token (after the "
                     f"content it writes {suffix[:24]!r}), so a sampled user turn has no end; self-written prompts "
                     "need a template like ChatML, Llama-3's or Qwen's; set data.self_prompts=0.")
-
-
-def special_token_ids(tokenizer) -> set[int]:
-    ids = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    return ids | set(tokenizer.all_special_ids)
 
 
 def sample_user_turns(hf, prefix_ids: list[int], rows: int, max_new_tokens: int, stop_ids, temperature: float,
