@@ -180,9 +180,10 @@ def test_sampling_gives_up_when_the_target_writes_no_usable_prompt(chat_target, 
 
 
 def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversations(chat_target, tmp_path,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, caplog):
     """data.regenerate + data.self_prompts through regenerate_for_run: the prompts are written, answered by the
-    target into regenerated.jsonl, and come back from the chat data loader as user + assistant samples."""
+    target into self_regenerated.jsonl, and come back from the chat data loader (mixed with the regenerated
+    source, each once) as user + assistant samples."""
     import dflash_train.models.target as target_mod
     from dflash_train.config import build_config
     from dflash_train.data.conversations import ChatEncoder
@@ -200,16 +201,22 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
                         "pipeline": {"target_devices": ["cpu"], "drafter_devices": ["cpu"]},
                         "run": {"out_dir": str(tmp_path / "run")}})
     d = regenerate_for_run(cfg, tmp_path / "run", tok)
-    assert d.max_samples == 3 + 5 and not d.regenerate
-    prompts = _lines(tmp_path / "run" / "self_prompts.jsonl")
+    run = tmp_path / "run"
+    assert d.mix == [str(run / "regenerated.jsonl"), str(run / "self_regenerated.jsonl")] and not d.regenerate
+    prompts = _lines(run / "self_prompts.jsonl")
     assert len(prompts) == 5
-    regen = {r["id"]: r for r in _lines(tmp_path / "run" / "regenerated.jsonl")}
+    regen = {r["id"]: r for r in _lines(run / "self_regenerated.jsonl")}
+    assert len(regen) == 5
     for p in prompts:
         messages = regen[f"{p['id']}_0"]["messages"]
         assert [m["role"] for m in messages] == ["user", "assistant"]
         assert messages[0] == p["messages"][0] and messages[1]["content"]
-    split = load_dataset(d, tok, cache_dir="")
+    with caplog.at_level("INFO", logger="dflash_train"):
+        split = load_dataset(d, tok, cache_dir="")
     assert len(split.train) == 3 + 5
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.mix")]
+    assert "regenerated.jsonl: 3 training conversations (each once)" in lines[0]
+    assert "self_regenerated.jsonl: 5 training conversations (each once)" in lines[1] and "share 62.5%" in lines[1]
     encoder = ChatEncoder(tok, 512)
     by_text = {tuple(s.input_ids): s for s in split.train}
     for p in prompts:
@@ -221,9 +228,10 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
         trained = tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
         assert trained == messages[1]["content"] + "<|im_end|>"  # the answer and its end, never the prompt
     # A rerun resumes: nothing is sampled or answered again.
-    before = (tmp_path / "run" / "regenerated.jsonl").read_text()
-    regenerate_for_run(cfg, tmp_path / "run", tok)
-    assert (tmp_path / "run" / "regenerated.jsonl").read_text() == before
+    before = [(run / f).read_text() for f in ("regenerated.jsonl", "self_prompts.jsonl", "self_regenerated.jsonl")]
+    regenerate_for_run(cfg, run, tok)
+    assert [(run / f).read_text() for f in ("regenerated.jsonl", "self_prompts.jsonl", "self_regenerated.jsonl")] \
+        == before
 
 
 # ------------------------------------------------------------------------------------------ data.mix
@@ -292,6 +300,10 @@ def test_a_mix_without_weights_takes_every_source_once(tmp_path, byte_tok):
     a, b = write_source(tmp_path / "a.jsonl", "alpha", 12), write_source(tmp_path / "b.jsonl", "beta", 5)
     split = load_dataset(DataConfig(mix=[a, b], heldout_fraction=0.0), byte_tok, cache_dir="")
     assert Counter(origins(byte_tok, split.train)) == {"alpha": 12, "beta": 5}
+    capped = load_dataset(DataConfig(mix=[a, b], max_samples=10, heldout_fraction=0.0), byte_tok, cache_dir="")
+    assert Counter(origins(byte_tok, capped.train)) == {"alpha": 7, "beta": 3}  # 10 shared by size, 7.06 and 2.94
+    roomy = load_dataset(DataConfig(mix=[a, b], max_samples=100, heldout_fraction=0.0), byte_tok, cache_dir="")
+    assert Counter(origins(byte_tok, roomy.train)) == {"alpha": 12, "beta": 5}  # at most, never repeated
     weighted = load_dataset(DataConfig(mix=[f"{a}:1", f"{b}:1"], heldout_fraction=0.0), byte_tok, cache_dir="")
     assert Counter(origins(byte_tok, weighted.train)) == {"alpha": 9, "beta": 8}  # 17 in all, half each
 

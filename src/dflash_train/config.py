@@ -88,16 +88,18 @@ class DataConfig:
     self_prompts: int = _f(0, "data.regenerate: the target also writes this many user prompts of its own (sampled "
                               "from its chat template's user-turn header, filtered: empty, truncated, too short, "
                               "duplicate) into <out_dir>/self_prompts.jsonl, answers them like the other "
-                              "conversations, and training reads them too (on top of data.max_samples). Resumable. "
-                              "0 = off.")
+                              "conversations into <out_dir>/self_regenerated.jsonl, and training reads both files, "
+                              "each conversation once (on top of data.max_samples; one log line per file). "
+                              "Resumable. 0 = off.")
     self_prompt_max_tokens: int = _f(128, "data.self_prompts: a sampled prompt that has not ended after this many "
                                           "tokens is dropped as truncated.")
     mix: list[str] = _f([], "Train on several sources at once: entries 'source:weight' (a source as data.source takes "
                             "it, e.g. a regenerated file; weight a positive number), e.g. [sharegpt:3, mine.jsonl:1]. "
                             "Source i gets weight_i / sum of weights of the training conversations (data.max_samples "
                             "in all, else as many as the sources hold together); one too small for its share is "
-                            "repeated. Entries without weights: every source's conversations once. Each source is "
-                            "split train/held-out as data.source is. Empty = data.source alone.")
+                            "repeated. Entries without weights: every source's conversations once (data.max_samples "
+                            "at most, shared by size). Each source is split train/held-out as data.source is. "
+                            "Empty = data.source alone.")
 
     def __post_init__(self):
         if not 0.0 <= self.heldout_fraction < 1.0:

@@ -76,7 +76,8 @@ def load_mix(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str | None = 
               for (source, _), cap in zip(entries, caps)]
     sizes = [len(s.train) for s in splits]
     weights = [w for _, w in entries] if weighted else sizes
-    n_total = total if total is not None else sum(sizes)
+    # Weights: data.max_samples in all, small sources repeated. No weights: at most data.max_samples, never repeated.
+    n_total = sum(sizes) if total is None else total if weighted else min(total, sum(sizes))
     counts = mix_counts(weights, n_total)
     train, heldout, heldout_messages, per_source = [], [], [], []
     for (source, _), split, n in zip(entries, splits, counts):

@@ -13,7 +13,8 @@ Resumable: a rerun drops the records of the file's last batch (a crash may have 
 that batch on. A side file `<out>.meta.json` records the settings (the batch size too: it changes what a batch
 draws); a file written with other settings is never silently extended.
 
-data.self_prompts (answer_self_prompts) then has the target answer the prompts like any other conversation.
+data.self_prompts (answer_self_prompts) then has the target answer the prompts like any other conversation, into a
+file of their own that training mixes with the regenerated source (data.mix).
 """
 
 from __future__ import annotations
@@ -275,23 +276,28 @@ def self_prompt_items(records: list[dict]) -> Iterator[tuple[str, object, bool]]
 
 
 def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, regenerated: Path, settings):
-    """data.self_prompts (called by regenerate_for_run with its loaded models): write <out_dir>/self_prompts.jsonl
-    with the first model, have every model answer them into the run's regenerated file (greedy, like the other
-    conversations; resumable), and return the DataConfig that also reads them."""
+    """data.self_prompts (called by regenerate_for_run with its loaded models, after it regenerated data.source into
+    `regenerated` with `settings`): write <out_dir>/self_prompts.jsonl with the first model, have every model
+    answer them into <out_dir>/self_regenerated.jsonl (greedy, like the other conversations; resumable), and return
+    the DataConfig that reads both files, each conversation once (data.mix without weights: one log line each)."""
     from ..data.regenerate import regenerate_dataset
 
     d = cfg.data
     path = Path(out_dir) / "self_prompts.jsonl"
+    answers = Path(out_dir) / "self_regenerated.jsonl"
     log.info(f"data.self_prompts: the target writes {d.self_prompts} prompts of its own into {path}")
     own = SelfPromptSettings(target=settings.target, seed=cfg.train.seed, batch_size=batch_size,
                              max_new_tokens=d.self_prompt_max_tokens)
-    if path.is_file() and path.with_suffix(".meta.json").is_file():
+    meta = path.with_suffix(".meta.json")
+    if path.is_file() and meta.is_file():
         # the batch size changes what each batch draws: a resumed file keeps the one it was written with
-        own.batch_size = json.loads(path.with_suffix(".meta.json").read_text()).get("batch_size", batch_size)
+        own.batch_size = json.loads(meta.read_text()).get("batch_size", batch_size)
     write_self_prompts(models[0], tokenizer, path, d.self_prompts, own, replace=cfg.run.overwrite)
     records = read_self_prompts(path, d.self_prompts)
-    regenerate_dataset(models, tokenizer, self_prompt_items(records), regenerated, settings, batch_size=batch_size,
-                       total=len(records))
-    # The loader takes the first max_samples training-side conversations of the file: room for the new ones too.
-    more = None if d.max_samples is None else d.max_samples + len(records)
-    return dataclasses.replace(d, max_samples=more, self_prompts=0)  # what to read: every prompt is answered
+    regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
+                       dataclasses.replace(settings, source=str(path)), batch_size=batch_size, total=len(records),
+                       replace_mismatch=cfg.run.overwrite)
+    # Both files hold exactly what was chosen (data.max_samples of the source, data.self_prompts of the target's):
+    # read them whole.
+    return dataclasses.replace(d, mix=[str(regenerated), str(answers)], max_samples=None, regenerate=False,
+                               self_prompts=0)
