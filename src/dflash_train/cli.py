@@ -27,12 +27,8 @@ def cmd_train(args) -> int:
         print(describe_config())
         return 0
     cfg = load_config(args.config, args.overrides)
-    if args.single:
-        from .training.trainer import train_single_device
-        result = train_single_device(cfg)
-    else:
-        from .pipeline.coordinator import train_pipeline
-        result = train_pipeline(cfg)
+    from .train import train
+    result = train(cfg, single=args.single)
     print(f"drafter written to {result.drafter_dir}")
     return 0
 

@@ -85,6 +85,11 @@ class DataConfig:
                                  "training reads that file: the drafter learns the target's own answers. Resumable: "
                                  "conversations already in the file are kept.")
     regenerate_max_new_tokens: int = _f(256, "data.regenerate: at most this many new tokens per assistant turn.")
+    eval_prompts: str = _f("heldout", "Prompts of the measurement after training (train.final_eval_prompts): "
+                                      "'heldout' (the run's held-out conversations, up to their first answer), "
+                                      "'yardstick' (the bundled prompts of another source: writing, roleplay, "
+                                      "reasoning, math, coding, extraction, STEM, humanities), or a .json/.jsonl "
+                                      "prompt file of your own (the fairest test: prompts from another source).")
     self_prompts: int = _f(0, "data.regenerate: the target also writes this many user prompts of its own (sampled "
                               "from its chat template's user-turn header, filtered: empty, truncated, too short, "
                               "duplicate) into <out_dir>/self_prompts.jsonl, answers them like the other "
@@ -109,6 +114,9 @@ class DataConfig:
         if self.regenerate and self.source == "synthetic":
             raise ConfigError("data.regenerate needs chat data: set data.source to 'sharegpt' or a .json/.jsonl "
                               "chat file, or data.regenerate=false.")
+        if self.eval_prompts not in ("heldout", "yardstick") and not Path(self.eval_prompts).expanduser().is_file():
+            raise ConfigError(f"data.eval_prompts must be 'heldout', 'yardstick' or an existing prompt file (got "
+                              f"{self.eval_prompts!r}).")
         if self.regenerate_max_new_tokens < 1:
             raise ConfigError("data.regenerate_max_new_tokens must be at least 1.")
         if self.self_prompts < 0 or self.self_prompt_max_tokens < 1:
@@ -185,6 +193,10 @@ class TrainConfig:
                               "estimate, drafter_last/ the final one. 0 = off.")
     eval_rows: int = _f(8, "Held-out rows (of token_budget tokens) each validation scores; its cost is about "
                            "eval_rows / (3 * eval_every) of the training compute.")
+    final_eval_prompts: int = _f(16, "After training, speculative decoding with the trained drafter on this many "
+                                     "prompts (data.eval_prompts): the measured tau next to the estimates, in the "
+                                     "log, metrics.jsonl and <out_dir>/eval_final/. 0 = off.")
+    final_eval_new_tokens: int = _f(128, "New tokens per prompt of the measurement after training.")
     loss_chunk: int = _f(4096, "Block positions per LM-head chunk in the loss (bounds logits memory).")
     kd_weight: float = _f(0.0, "Distillation: the loss is (1 - w) * CE on the data's next token + w * KD, KD being the "
                                "cross-entropy against the target's own next-token distribution (its final hidden "
@@ -210,6 +222,9 @@ class TrainConfig:
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError(f"train.max_minutes must be positive (got {self.max_minutes}); leave it empty for no "
                               "time limit.")
+        if self.final_eval_prompts < 0 or self.final_eval_new_tokens < 1:
+            raise ConfigError("train.final_eval_prompts must be 0 (off) or positive and train.final_eval_new_tokens "
+                              f"at least 1 (got {self.final_eval_prompts} and {self.final_eval_new_tokens}).")
         if self.eval_every < 0 or self.eval_rows < 0:
             raise ConfigError("train.eval_every and train.eval_rows must be 0 (validation off) or positive "
                               f"(got {self.eval_every} and {self.eval_rows}).")

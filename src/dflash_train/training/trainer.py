@@ -37,6 +37,7 @@ class TrainResult:
     val_history: list[dict] = field(default_factory=list)  # the validations (training/validation.py)
     best: dict | None = None  # {"metric", "step", "value"} of the drafter in drafter_dir; None: the final weights
     last_dir: Path | None = None  # the final weights when drafter_dir holds an earlier, better step
+    measured: dict | None = None  # the measurement after training (train.py: EvalReport summary), if any
 
 
 def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResult:
