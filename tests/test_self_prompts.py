@@ -328,3 +328,22 @@ def test_mix_and_self_prompts_refuse_settings_they_cannot_honour():
         build_config({"data": {"mix": ["a.jsonl"], "regenerate": True}})
     with pytest.raises(ConfigError, match="needs data.regenerate=true"):
         build_config({"data": {"self_prompts": 3}})
+
+
+def test_a_target_that_writes_no_usable_prompt_trains_on_the_regenerated_source_alone(chat_target, tmp_path,
+                                                                                         monkeypatch, caplog):
+    import dflash_train.models.target as target_mod
+    from dflash_train.config import build_config
+    from dflash_train.data.regenerate import regenerate_for_run
+
+    tok = make_byte_tokenizer()
+    hf = letter_lm(chat_target, tok, alphabet="a", p_end=0.999)  # every sampled turn is empty
+    monkeypatch.setattr(target_mod, "load_causal_lm", lambda target, device: hf)
+    cfg = build_config({"model": {"target": chat_target},
+                        "data": {"source": str(write_chats(tmp_path / "chats.jsonl", 4)), "regenerate": True,
+                                 "self_prompts": 2, "heldout_fraction": 0.0, "regenerate_max_new_tokens": 4},
+                        "pipeline": {"target_devices": ["cpu"], "drafter_devices": ["cpu"]}})
+    with caplog.at_level("WARNING", logger="dflash_train"):
+        d = regenerate_for_run(cfg, tmp_path / "run", tok)
+    assert d.mix == [] and d.source == str(tmp_path / "run" / "regenerated.jsonl") and d.self_prompts == 0
+    assert "no self-written conversation to train on" in caplog.text

@@ -294,10 +294,26 @@ def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, 
         own.batch_size = json.loads(meta.read_text()).get("batch_size", batch_size)
     write_self_prompts(models[0], tokenizer, path, d.self_prompts, own, replace=cfg.run.overwrite)
     records = read_self_prompts(path, d.self_prompts)
-    regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
-                       dataclasses.replace(settings, source=str(path)), batch_size=batch_size, total=len(records),
-                       replace_mismatch=cfg.run.overwrite)
+    if records:
+        regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
+                           dataclasses.replace(settings, source=str(path)), batch_size=batch_size,
+                           total=len(records), replace_mismatch=cfg.run.overwrite)
     # Both files hold exactly what was chosen (data.max_samples of the source, data.self_prompts of the target's):
-    # read them whole.
-    return dataclasses.replace(d, mix=[str(regenerated), str(answers)], max_samples=None, regenerate=False,
-                               self_prompts=0)
+    # read them whole. A file with nothing on its training side (no prompt passed the filters, data.max_samples=0)
+    # is left out rather than failing the load.
+    mix = [str(p) for p in (regenerated, answers) if _training_side(p, cfg.train.seed, d.heldout_fraction)]
+    if str(answers) not in mix:
+        log.warning(f"data.self_prompts: no self-written conversation to train on in {answers}")
+    if mix in ([], [str(regenerated)]):  # as without self-written prompts (with nothing at all, the loader says so)
+        return dataclasses.replace(d, self_prompts=0)
+    return dataclasses.replace(d, mix=mix, max_samples=None, regenerate=False, self_prompts=0)
+
+
+def _training_side(path: Path, seed: int, fraction: float) -> int:
+    """Conversations of a chat file on the training side of the split."""
+    from ..data.conversations import is_heldout
+    from ..data.sources import iter_conversations
+
+    if not path.is_file():
+        return 0
+    return sum(not is_heldout(c.key, seed, fraction) for c in iter_conversations(path, Counter()))
