@@ -104,6 +104,7 @@ def test_correct_decoder_is_lossless(setup):
     assert s["lossless"] is True and s["wrong_prompts"] == 0 and s["first_wrong"] is None
     assert s["identical_prompts"] + s["tie_prompts"] == len(PROMPTS)
     text = verdict_text(s)
+    assert s["verdict"] == text
     assert text.startswith(f"yes ({s['identical_prompts']}/{len(PROMPTS)} identical")
     if name == "fp32":  # fp32 paths agree to ~1e-6: identical outputs
         assert text == f"yes ({len(PROMPTS)}/{len(PROMPTS)} identical)"
@@ -186,3 +187,20 @@ def test_constructed_tie_is_yes_with_ties(setup, tiny_llama, monkeypatch):
     assert all(p.tie_tokens and p.speculative[j] == b for p in tied for j in p.tie_tokens)
     assert verdict_text(s) == (f"yes ({s['identical_prompts']}/{len(PROMPTS)} identical, {s['tie_prompts']} "
                                f"diverge only at {name} ties)")
+
+
+def test_a_wrong_plain_token_is_not_waved_through(setup, monkeypatch):
+    """The divergence is held to the same bound on the plain side: a baseline bug is NO too, and says so."""
+    _, t, drafter = setup
+    real = benchmark.target_generate
+
+    def plain_generate(t_run, prompt, *args, **kw):
+        out = real(t_run, prompt, *args, **kw)
+        if prompt == PROMPTS[1]:
+            out.tokens[3] = (out.tokens[3] + 1) % (t.info.vocab_size - 1)
+        return out
+
+    monkeypatch.setattr(benchmark, "target_generate", plain_generate)
+    s = evaluate(t, drafter, PROMPTS, NEW, warmup=False).summary()
+    assert s["lossless"] is False and s["first_wrong"]["plain"] and s["first_wrong"]["token"] == 3
+    assert s["verdict"].startswith("NO: prompt 1: plain decoding diverges at token 3, margin ")

@@ -38,6 +38,7 @@ from ..models.target import TargetInfo, TargetModel
 from ..training.objective import acceptance_metrics, draft_hidden
 from .baseline import target_generate
 from .drafter_runner import DrafterRunner
+from .report import verdict_text
 from .speculative import speculative_generate
 from .target_runner import TargetRunner
 from .verdict import TIE_ULPS, judge_prompt
@@ -183,7 +184,7 @@ class EvalReport:
     def summary(self) -> dict:
         base_tps, base_ms = self._rate("baseline", "baseline_s")
         spec_tps, spec_ms = self._rate("speculative", "speculative_s")
-        return {
+        s = {
             "num_prompts": len(self.prompts), "block_size": self.block_size, "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens, "device": self.device, "dtype": self.dtype,
             "cuda_graphs": self.graphs,
@@ -202,6 +203,8 @@ class EvalReport:
             "wrong_prompts": sum(p.verdict == "wrong" for p in self.prompts),
             "first_wrong": self.first_wrong, "tie_ulps": TIE_ULPS,
         }
+        s["verdict"] = verdict_text(s)   # the console's words, also in eval.json
+        return s
 
     def to_dict(self) -> dict:
         return {"summary": self.summary(),
