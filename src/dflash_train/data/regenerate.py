@@ -329,32 +329,44 @@ class Regenerator:
             return Request(chat, ids, s.max_new_tokens, s.temperature, self._seed(chat))
 
         def requests():
-            """First replies of the source conversations, in sorted pools (see the class docstring)."""
-            source = iter(items)
-            while True:
-                pool = []
-                while len(pool) < self.batch_size * self.lookahead:
-                    item = next(source, None)
-                    if item is None:
-                        break
-                    rid, conv, regen = item
-                    if not regen:
-                        write({"id": rid, "messages": conv.messages})
-                        stats.copied += 1
-                        bar.update()
-                        continue
-                    ks = [k for k in range(s.samples) if sample_id(rid, k, s.samples) not in self.done]
-                    if not ks:
-                        continue
-                    groups[rid] = {"left": len(ks), "records": {}}
-                    for k in ks:
-                        req = request(_Chat(sample_id(rid, k, s.samples), conv.messages, group=rid, sample=k))
-                        if req is not None:
-                            pool.append(req)
-                pool.sort(key=lambda r: len(r.prompt_ids))  # stable: ties keep arrival order
-                yield from pool
+            """First replies of the source conversations, in sorted pools (see the class docstring). The next pool
+            is built while this one is handed out, two source records per request, so that its chat templates and
+            tokenizing run in the engine's prefetch (while the device decodes), not all at once at a refill."""
+            source, size = iter(items), self.batch_size * self.lookahead
+            building: list = []
+
+            def pull() -> bool:
+                """One source record into `building`; False once the source is exhausted."""
+                item = next(source, None)
                 if item is None:
+                    return False
+                rid, conv, regen = item
+                if not regen:
+                    write({"id": rid, "messages": conv.messages})
+                    stats.copied += 1
+                    bar.update()
+                    return True
+                ks = [k for k in range(s.samples) if sample_id(rid, k, s.samples) not in self.done]
+                if ks:
+                    groups[rid] = {"left": len(ks), "records": {}}
+                for k in ks:
+                    req = request(_Chat(sample_id(rid, k, s.samples), conv.messages, group=rid, sample=k))
+                    if req is not None:
+                        building.append(req)
+                return True
+
+            more = True
+            while True:
+                while more and len(building) < size:
+                    more = pull()
+                if not building:
                     return
+                pool, building = sorted(building, key=lambda r: len(r.prompt_ids)), []  # stable: ties in order
+                for req in pool:
+                    yield req
+                    for _ in range(2):
+                        if more and len(building) < size:
+                            more = pull()
 
         def on_done(req, tokens: list[int]) -> None:
             chat = req.key

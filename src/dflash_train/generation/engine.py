@@ -12,12 +12,14 @@ rounded up to a power of two; requests go to the lowest free rows, so only a run
 Each (bucket, visible, sampled) step is one CUDA graph on GPU, captured on first use into one shared memory pool.
 
 Refill: a row that ends (a stop token, kept, or its own max_new_tokens) stays frozen on the device (it rewrites its
-last slot, its count stops) until the host looks, every CHECK_EVERY steps: one host sync reads which rows ended,
-hands their tokens to `on_done` (which may submit follow-up requests: the next turn of a conversation), and the
-free rows are refilled at once, follow-ups first. Why not every step: a sync per step idles the GPU while the host
-reads the flags and launches the next step; CHECK_EVERY = 8 costs a finished row at most 7 frozen steps (~1.4% of
-a 256-token reply on average) and removes 7 of every 8 syncs. The host never needs the rows' positions: it bounds
-them by prompt + steps taken.
+last slot, its count stops) until the host looks, every CHECK_EVERY steps: one host sync reads which rows ended and
+their tokens, the free rows are refilled at once (follow-ups first, then requests pulled ahead), the next steps are
+queued, and only then, while the device runs them, the host hands the ended requests to `on_done` (which may
+submit follow-ups: the next turn of a conversation, taken at the next refill) and pulls the next requests (chat
+templates, tokenizing). Why not every step: a sync per step idles the GPU while the host reads the flags and
+launches the next step; CHECK_EVERY = 8 costs a finished row at most 7 frozen steps (~1.4% of a 256-token reply on
+average) and removes 7 of every 8 syncs. The host never needs the rows' positions: it bounds them by prompt + steps
+taken.
 
 Prefill: the refilled rows in batches (right-padded to the batch's longest prompt, at most PREFILL_TOKENS padded
 tokens a forward, eager), each forward writing only its rows' slots 0..P-1 and attending over its own prompt.
@@ -181,7 +183,8 @@ class Engine:
         # Host state per row: the request, its prompt length, its last possible slot, the step it was prefilled at.
         self._req: list[Request | None] = [None] * b
         self._plen, self._cap, self._since = [0] * b, [0] * b, [0] * b
-        self._queue: deque[Request] = deque()
+        self._queue: deque[Request] = deque()  # submitted follow-ups
+        self._ready: deque[Request] = deque()  # pulled from the run's iterator ahead of need
         self._steps: dict[tuple[int, int, bool], GraphedStep] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._t = 0  # steps taken by this engine
@@ -198,29 +201,27 @@ class Engine:
         flight are dropped without on_done."""
         stats = EngineStats()
         source = iter(requests)
+        ended: list[tuple[Request, list[int]]] = []
         device_sync(self.device)
         t0 = time.perf_counter()
         try:
             while True:
-                self._collect(on_done, stats)
-                if stop is not None and stop.is_set():
-                    break
                 self._refill(source, stats)
                 occupied = [r for r in range(self.b) if self._req[r] is not None]
-                if not occupied:
+                if occupied:
+                    self._launch(occupied, stats)
+                # Host work while the device runs the steps just queued: the previous check's ended requests
+                # (their follow-ups join the next refill) and the requests that refill will take.
+                for req, tokens in ended:
+                    on_done(req, tokens)
+                self._prefetch(source)
+                if not occupied and not self._queue and not self._ready:
                     break
-                bucket = min(self.b, 1 << (max(occupied)).bit_length())
-                sampled = any(self._req[r].temperature > 0 for r in occupied)
-                # Slot bounds: a live row advances one slot a step up to its cap; an ended one stays put.
-                reach = max(min(self._plen[r] + self._t - self._since[r], self._cap[r]) for r in occupied)
-                cap = max(self._cap[r] for r in occupied)
-                for j in range(self.check_every):
-                    visible = min(self.max_len, -(-(min(reach + j, cap) + 1) // self.window) * self.window)
-                    self._graphed(bucket, visible, sampled)()
-                    self._t += 1
-                    stats.kv_slots_read += bucket * visible
-                stats.steps += self.check_every
-                stats.row_steps += self.check_every * bucket
+                ended = self._collect(stats)
+                if stop is not None and stop.is_set():
+                    for req, tokens in ended:  # finished: worth handing over
+                        on_done(req, tokens)
+                    break
         finally:
             self._reset()
         device_sync(self.device)
@@ -229,16 +230,41 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ host side
 
-    def _collect(self, on_done, stats: EngineStats) -> None:
-        """Hand the ended rows' tokens to on_done and free their rows."""
+    def _launch(self, occupied: list[int], stats: EngineStats) -> None:
+        """Queue check_every steps of the rows up to the highest occupied one (no host sync)."""
+        bucket = min(self.b, 1 << (max(occupied)).bit_length())
+        sampled = any(self._req[r].temperature > 0 for r in occupied)
+        # Slot bounds: a live row advances one slot a step up to its cap; an ended one stays put.
+        reach = max(min(self._plen[r] + self._t - self._since[r], self._cap[r]) for r in occupied)
+        cap = max(self._cap[r] for r in occupied)
+        for j in range(self.check_every):
+            visible = min(self.max_len, -(-(min(reach + j, cap) + 1) // self.window) * self.window)
+            self._graphed(bucket, visible, sampled)()
+            self._t += 1
+            stats.kv_slots_read += bucket * visible
+        stats.steps += self.check_every
+        stats.row_steps += self.check_every * bucket
+
+    def _prefetch(self, source) -> None:
+        """Pull up to batch_size requests ahead, so that building them (chat templates, tokenizing) overlaps the
+        device's steps instead of holding up the next refill."""
+        while len(self._ready) < self.b:
+            req = next(source, None)
+            if req is None:
+                return
+            self._ready.append(req)
+
+    def _collect(self, stats: EngineStats) -> list[tuple[Request, list[int]]]:
+        """Free the ended rows -> their (request, tokens)."""
         occupied = [r for r in range(self.b) if self._req[r] is not None]
         if not occupied:
-            return
+            return []
         finished, count = torch.stack([self.finished.long(), self.count]).tolist()  # host sync, once per check
         rows = [r for r in occupied if finished[r]]
         if not rows:
-            return
+            return []
         n = max(count[r] for r in rows)
+        ended = []
         tokens = self.out[torch.tensor(rows, device=self.device), :n].tolist()
         for r, toks in zip(rows, tokens):
             req, self._req[r] = self._req[r], None
@@ -247,14 +273,16 @@ class Engine:
             stats.generated_tokens += len(out)
             steps, P = len(out) - 1, self._plen[r]  # the first token came from the prefill
             stats.kv_slots_needed += steps * (P + 1) + steps * (steps - 1) // 2
-            on_done(req, out)
+            ended.append((req, out))
+        return ended
 
     def _refill(self, source, stats: EngineStats) -> None:
-        """Prefill the next requests (follow-ups first) into the free rows, lowest rows first."""
+        """Prefill the next requests (follow-ups first, then prefetched ones) into the free rows, lowest first."""
         free = [r for r in range(self.b) if self._req[r] is None]
         new: list[Request] = []
         while len(new) < len(free):
-            req = self._queue.popleft() if self._queue else next(source, None)
+            req = (self._queue.popleft() if self._queue else self._ready.popleft() if self._ready
+                   else next(source, None))
             if req is None:
                 break
             P = len(req.prompt_ids)
@@ -307,6 +335,7 @@ class Engine:
         """Drop whatever is in flight (a stop, an error): the engine is ready for the next run."""
         self._req = [None] * self.b
         self._queue.clear()
+        self._ready.clear()
         self.finished.fill_(True)
 
     # ------------------------------------------------------------------------------------------ device side
