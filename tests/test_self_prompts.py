@@ -165,6 +165,10 @@ def test_self_prompts_are_filtered_reproducible_per_seed_and_resumable(chat_targ
     write_self_prompts(hf, tok, cut, 12, settings())
     assert cut.read_text() == data
 
+    # A complete file is left alone: nothing is sampled again, whether as many or fewer are asked for.
+    assert write_self_prompts(hf, tok, out, 12, settings()).sampled == 0
+    assert write_self_prompts(hf, tok, out, 5, settings()).sampled == 0 and out.read_text() == data
+
     # Other settings: refused, not extended.
     with pytest.raises(UserError, match="other settings.*batch_size=8 \\(now 4\\)"):
         write_self_prompts(hf, tok, out, 12, settings(batch_size=4))

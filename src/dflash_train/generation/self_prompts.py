@@ -181,18 +181,22 @@ def _check_settings(out_path: Path, settings: SelfPromptSettings, replace: bool)
     meta.write_text(json.dumps(want, indent=2) + "\n")
 
 
-def _resume(out_path: Path) -> tuple[list[dict], int]:
-    """The records to keep and the batch to sample next: every record but the last batch's (which a crash may
-    have cut), rewritten without them."""
+def _resume(out_path: Path, count: int) -> tuple[list[dict], int | None]:
+    """The records to keep and the batch to sample next (None: the file is complete and holds `count` already).
+    Otherwise every record but the last batch's (which a crash may have cut) is kept, and the file rewritten so."""
     if not out_path.is_file():
         return [], 0
-    records = []
+    records, cut = [], False
     for line in out_path.read_text(encoding="utf-8").splitlines():
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            break  # a line cut by a crash: only the last batch's records can follow it
+            cut = True  # a line cut by a crash: only the last batch's records can follow it
+            break
+    if not cut and len(records) >= count:
+        return records, None
     if not records:
+        out_path.write_text("", encoding="utf-8")
         return [], 0
     last = max(int(r["batch"]) for r in records)
     kept = [r for r in records if int(r["batch"]) < last]
@@ -213,8 +217,10 @@ def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings
     stop = {tpl.end_id, *stop_token_ids(hf, tokenizer)}
     special = special_token_ids(tokenizer)
     _check_settings(out_path, settings, replace)
-    kept, batch = _resume(out_path)
+    kept, batch = _resume(out_path, count)
     stats = SelfPromptStats(kept=len(kept))
+    if batch is None:
+        return stats
     seen = {normalised(r["messages"][0]["content"]) for r in kept}
     b = settings.batch_size
     last_batch = math.ceil(MAX_SAMPLED * count / b)
