@@ -196,9 +196,10 @@ class Engine:
     @torch.no_grad()
     def run(self, requests: Iterable[Request], on_done: Callable[[Request, list[int]], None],
             stop=None) -> EngineStats:
-        """Decode every request of `requests` (pulled lazily, as rows free up) and of submit(); on_done(request,
-        tokens) for each as it ends. A set `stop` (threading.Event) ends the run at the next check: requests in
-        flight are dropped without on_done."""
+        """Decode every request of `requests` (pulled lazily, at most batch_size ahead of the free rows) and of
+        submit(); on_done(request, tokens) for each after it ends (at the check after next: see the module
+        docstring). A set `stop` (threading.Event) ends the run at the next check: the requests that ended get
+        on_done, those in flight or pulled ahead are dropped."""
         stats = EngineStats()
         source = iter(requests)
         ended: list[tuple[Request, list[int]]] = []
