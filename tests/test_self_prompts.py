@@ -351,3 +351,16 @@ def test_a_target_that_writes_no_usable_prompt_trains_on_the_regenerated_source_
         d = regenerate_for_run(cfg, tmp_path / "run", tok)
     assert d.mix == [] and d.source == str(tmp_path / "run" / "regenerated.jsonl") and d.self_prompts == 0
     assert "no self-written conversation to train on" in caplog.text
+
+
+def test_a_share_that_rounds_to_nothing_is_said_and_its_held_out_side_kept(tmp_path, byte_tok, caplog):
+    from dflash_train.config import DataConfig
+    from dflash_train.data.dataset import load_dataset
+
+    big, small = write_source(tmp_path / "big.jsonl", "big", 30), write_source(tmp_path / "small.jsonl", "small", 6)
+    with caplog.at_level("WARNING", logger="dflash_train"):
+        split = load_dataset(DataConfig(mix=[f"{big}:1000", f"{small}:1"], max_samples=20, heldout_fraction=0.2),
+                             byte_tok, cache_dir="")
+    assert Counter(origins(byte_tok, split.train)) == {"big": 20}
+    assert "gets no training conversations" in caplog.text
+    assert "small" in origins(byte_tok, split.heldout)

@@ -81,7 +81,7 @@ def load_mix(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str | None = 
     counts = mix_counts(weights, n_total)
     train, heldout, heldout_messages, per_source = [], [], [], []
     for (source, _), split, n in zip(entries, splits, counts):
-        if n == 0:
+        if n == 0 and n_total >= len(entries):  # (a total below one per source, e.g. held-out-only loads, is meant)
             log.warning(f"data.mix: {source!r} gets no training conversations (its share of {n_total} rounds to 0)")
         chosen = repeat_to(split.train, n)
         unique = split.train[:n]  # every distinct conversation the run sees
