@@ -197,8 +197,8 @@ class Engine:
     def run(self, requests: Iterable[Request], on_done: Callable[[Request, list[int]], None],
             stop=None) -> EngineStats:
         """Decode every request of `requests` (pulled lazily, at most batch_size ahead of the free rows) and of
-        submit(); on_done(request, tokens) for each after it ends (at the check after next: see the module
-        docstring). A set `stop` (threading.Event) ends the run at the next check: the requests that ended get
+        submit(); on_done(request, tokens) for each after it ends (at the first check that sees it ended, once
+        the next steps are queued: see the module docstring). A set `stop` (threading.Event) ends the run at the next check: the requests that ended get
         on_done, those in flight or pulled ahead are dropped."""
         stats = EngineStats()
         source = iter(requests)
