@@ -260,20 +260,26 @@ def test_demo_gpu_settings_are_a_valid_config(chat_target, tmp_path):
 
 def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys):
     data = write_chats(tmp_path / "chats.jsonl", 200)
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}."}) + "\n" for i in range(4)))
     out = tmp_path / "demo"
-    rc = main(["demo", "--device", "cpu", "--out", str(out), "--minutes", "0.02", f"model.target={chat_target}",
-               f"data.source={data}", "data.max_samples=40", "data.heldout_fraction=0.05", "model.num_draft_layers=1",
-               "model.block_size=4", "train.token_budget=128", "train.num_anchors=8"])
+    rc = main(["demo", "--device", "cpu", "--out", str(out), "--minutes", "0.02", "--prompts", str(own),
+               f"model.target={chat_target}", f"data.source={data}", "data.max_samples=40",
+               "data.heldout_fraction=0.05", "model.num_draft_layers=1", "model.block_size=4",
+               "train.token_budget=128", "train.num_anchors=8"])
     assert rc == 0
     table = capsys.readouterr().out
-    for needle in ("before (random init)", "after training", "mean tau (B=4)", "lossless (greedy)",
-                   "target-only tokens/s", "speculative tokens/s", "training:", "wall time"):
+    for needle in ("prompts (never trained on)", "yardstick (another source): 3 x 32", "ShareGPT held out: 3 x 32",
+                   "your prompts (own.jsonl): 4 x 32", "tau estimates: validation", "data: ", "training: ",
+                   "wall time", "wiring check", "--device cuda"):
         assert needle in table, (needle, table)
-    assert table.count("yes (8/8 identical)") == 2  # lossless before and after
+    saved = (out / "demo.txt").read_text()
+    assert saved in table and saved.count("yes (3/3 identical)") == 2 and "yes (4/4 identical)" in saved  # fp32: exact
     demo = json.loads((out / "demo.json").read_text())
-    assert demo["steps"] > 0 and demo["after"]["lossless"] is True
-    for f in ("training.png", "eval_before/eval.json", "eval_after/eval.png", "drafter/model.safetensors",
-              "demo.txt"):
+    assert demo["steps"] > 0 and demo["best"]["step"] <= demo["steps"] and len(demo["evals"]) == 3
+    assert demo["data"]["conversations"] > 0 and demo["data"]["epochs"] > 0
+    for f in ("training.png", "eval_yardstick/eval.json", "eval_heldout/eval.png", "eval_prompts/eval.json",
+              "drafter/model.safetensors", "drafter_last/model.safetensors", "demo.txt"):
         assert (out / f).is_file(), f
 
 

@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--minutes", type=float, default=None, help="training time budget")
     d.add_argument("--device", default="auto")
     d.add_argument("--out", default="runs/demo")
+    d.add_argument("--prompts", default=None, help="a .json/.jsonl prompt file of your own (from another source than "
+                                                   "the training data), measured next to the bundled sets")
     d.add_argument("overrides", nargs="*", help="section.key=value overrides")
     d.set_defaults(fn=cmd_demo)
 

@@ -85,6 +85,9 @@ class DataConfig:
                                  "training reads that file: the drafter learns the target's own answers. Resumable: "
                                  "conversations already in the file are kept.")
     regenerate_max_new_tokens: int = _f(256, "data.regenerate: at most this many new tokens per assistant turn.")
+    regenerate_minutes: float | None = _f(None, "data.regenerate: stop regenerating (and writing self-prompts) after "
+                                                "this many minutes and train on what was written (held-out "
+                                                "conversations go first). Empty = no limit.")
     eval_prompts: str = _f("heldout", "Prompts of the measurement after training (train.final_eval_prompts): "
                                       "'heldout' (the run's held-out conversations, up to their first answer), "
                                       "'yardstick' (the bundled prompts of another source: writing, roleplay, "
@@ -117,6 +120,9 @@ class DataConfig:
         if self.eval_prompts not in ("heldout", "yardstick") and not Path(self.eval_prompts).expanduser().is_file():
             raise ConfigError(f"data.eval_prompts must be 'heldout', 'yardstick' or an existing prompt file (got "
                               f"{self.eval_prompts!r}).")
+        if self.regenerate_minutes is not None and self.regenerate_minutes <= 0:
+            raise ConfigError(f"data.regenerate_minutes must be positive (got {self.regenerate_minutes}); leave it "
+                              "empty for no limit.")
         if self.regenerate_max_new_tokens < 1:
             raise ConfigError("data.regenerate_max_new_tokens must be at least 1.")
         if self.self_prompts < 0 or self.self_prompt_max_tokens < 1:

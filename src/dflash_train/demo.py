@@ -1,20 +1,26 @@
 """`dflash-train demo`: the whole product in one offline command.
 
   embedded SmolLM2-135M-Instruct + bundled ShareGPT (recipes/smollm2_demo.yaml)
-    -> evaluate the random-init drafter (tau before) -> train with the pipeline for --minutes -> evaluate again
-    -> one table: tau before/after, lossless verdict, target-only vs speculative tokens/s, training size, wall time
+    GPU: the target rewrites every ShareGPT answer and answers prompts it writes itself (data.self_prompts), for at
+         most data.regenerate_minutes -> train with the pipeline for a few epochs of that data, validating as it goes
+         -> measure the best drafter on the bundled yardstick prompts (another source) and on held-out ShareGPT
+    CPU: a wiring check: every stage end to end at a size a 2-core machine runs in minutes
+    -> one table: measured tau, speedup and lossless verdict per prompt set, next to the estimates; data volume and
+       epochs; wall time per phase
 
-Everything lands in the run directory: the drafter, checkpoints, metrics.jsonl, TensorBoard events, training.png,
-eval_before/ and eval_after/ (eval.json + eval.png), demo.json and demo.txt (the table).
+The regenerated data lives beside the run directory (<out>-data/), so a second demo run reuses it (regeneration
+resumes where it stopped); the run directory itself is moved aside on a re-run (run.overwrite). Everything else
+lands in the run directory: the drafter (best validation step), drafter_last/, checkpoints, metrics.jsonl,
+TensorBoard events, training.png, eval_<set>/ (eval.json + eval.png), demo.json and demo.txt (the table).
 
 The embedded GGUF is converted once into a Hugging Face directory under <out>/../.cache: every GGUF load
 dequantizes all tensors and rebuilds the tokenizer (tens of seconds on a CPU), and a run loads the target several
-times (tokenizer, sizes, training target, evaluation target). The weights are saved in fp32, exactly as dequantized.
+times (tokenizer, sizes, regeneration, training target, evaluation target). The weights are saved in fp32, exactly
+as dequantized.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -31,15 +37,23 @@ from .config import Config, load_config
 log = logging.getLogger("dflash_train")
 
 RECIPE = "smollm2_demo"
-# On a GPU the recipe that reached held-out tau 4.2 (recipes/smollm2_gpu2.yaml, docs/BENCHMARKS.md section 11) on one
-# shared GPU and a smaller budget: the target first rewrites 8,000 training conversations (all their replies, ~4 min
-# at the measured ~24k tokens/s), then 10 minutes of training on 8,192-token rows with 1,024 anchors.
-GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=8000", "data.max_length=2048", "train.token_budget=8192",
-                 "train.num_anchors=1024", "train.lr=2e-3", "train.warmup_ratio=0.04", "train.max_steps=15000",
-                 "train.max_minutes=10", "train.log_every=100", "model.num_draft_layers=5",
+# One H200: ~5 minutes of regeneration (every ShareGPT answer, turn by turn, then prompts the target writes itself),
+# 3 epochs of that data (the schedule's length follows the data; max_minutes is a safety net), 8,192-token rows
+# with 1,024 anchors, flex target attention replayed as a CUDA graph, validation every 500 steps.
+GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.self_prompts=30000",
+                 "data.regenerate_minutes=5", "data.max_length=2048", "train.token_budget=8192",
+                 "train.num_anchors=1024", "train.lr=2e-3", "train.warmup_ratio=0.04", "train.max_steps=null",
+                 "train.epochs=3", "train.max_minutes=9", "train.log_every=100", "train.eval_every=500",
+                 "train.checkpoint_every=2000", "train.final_eval_prompts=0", "model.num_draft_layers=5",
                  "model.target_attention=flex", "model.target_graphs=true"]
-# Held-out evaluation: (prompts, new tokens per prompt, longest prompt in tokens) per device type.
-EVAL_SIZE = {"cpu": (8, 48, 256), "cuda": (32, 256, 1024)}
+# What each device evaluates: (prompt set, prompts, new tokens per prompt). None = every prompt of the set.
+EVAL_PLAN = {"cpu": [("yardstick", 3, 32), ("heldout", 3, 32)],
+             "cuda": [("yardstick", None, 256), ("heldout", 32, 256)]}
+USER_PROMPTS_NEW_TOKENS = {"cpu": 32, "cuda": 256}
+SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "ShareGPT held out"}
+# Printed by the CPU demo: what the same command reaches on a GPU (docs/BENCHMARKS.md, "The GPU demo").
+GPU_REFERENCE = ("On one H200, `dflash-train demo --device cuda` regenerates its data, trains and measures in under "
+                 "20 minutes: see docs/BENCHMARKS.md (\"The GPU demo\") for the tau it reaches.")
 HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf"
 
 
@@ -47,16 +61,16 @@ HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf"
 class DemoResult:
     out_dir: Path
     device: str
-    before: dict            # EvalReport.summary() of the random-init drafter
-    after: dict             # ... of the trained drafter
+    evals: dict             # prompt set -> EvalReport.summary()
     steps: int
     tokens_per_step: int
     train_s: float
-    tau_est: float | None   # the training-time estimate at the last logged step
+    tau_est: float | None   # training's estimate at the last logged step
+    best: dict | None       # the validation's best step {"metric", "step", "value"}
+    data: dict              # the run's data summary (RunSetup.data_summary)
+    regen: dict | None      # the regeneration's stats (None: no regeneration ran)
     phases: dict            # seconds per phase
     wall_s: float
-    eval_prompts: int
-    eval_new_tokens: int
 
     def table(self) -> str:
         return format_demo_table(self)
@@ -92,7 +106,7 @@ def local_embedded_target(cache_root: Path) -> Path:
 
 def build_demo_config(device: torch.device, minutes: float | None, out: str, overrides: list[str]) -> Config:
     ov = [f"pipeline.target_devices=[{device}]", f"pipeline.drafter_devices=[{device}]", f"run.out_dir={out}",
-          "run.overwrite=true"]  # a demo re-run trains afresh in the same directory
+          "run.overwrite=true"]  # a demo re-run trains afresh (the previous run is moved aside, not deleted)
     if device.type == "cuda":
         ov += GPU_OVERRIDES
     if minutes is not None:
@@ -104,104 +118,95 @@ def build_demo_config(device: torch.device, minutes: float | None, out: str, ove
     return cfg
 
 
-def heldout_prompt_ids(cfg: Config, tokenizer, n: int, max_prompt_tokens: int) -> list[list[int]]:
-    """n prompts from the run's held-out conversations (never trained on), at most max_prompt_tokens long each;
-    topped up with built-in prompts when the held-out side has too few."""
-    from .errors import UserError
-    from .inference.prompts import FALLBACK_PROMPTS, Prompt, heldout_prompts, tokenize_prompts
-
-    ids: list[list[int]] = []
-    if cfg.data.source != "synthetic" and cfg.data.heldout_fraction > 0:
-        try:  # 4n candidates: the length limit drops some
-            prompts = heldout_prompts(cfg.data, tokenizer, 4 * n, cfg.train.seed)
-            ids = [p for p in tokenize_prompts(prompts, tokenizer) if len(p) <= max_prompt_tokens][:n]
-        except UserError as e:
-            log.warning(f"held-out prompts unavailable ({e}); using built-in prompts")
-    if len(ids) < n:
-        extra = [Prompt("messages", [{"role": "user", "content": t}]) for t in FALLBACK_PROMPTS]
-        ids += tokenize_prompts(extra, tokenizer)[: n - len(ids)]
-    return ids
+def data_dir_for(out: str | Path) -> Path:
+    """Where the demo keeps its regenerated data: beside the run directory, so that re-runs reuse it."""
+    out = Path(out)
+    return out.with_name(out.name + "-data")
 
 
-@contextlib.contextmanager
-def eval_threads(device: torch.device):
-    """One intra-op thread for CPU evaluation. Decoding one sequence is launch-bound. Measured on the shared 2-core
-    dev machine (SmolLM2): plain decoding 16 tokens/s with 1 or 2 threads, a 16-token verify step 120 ms with 1 and
-    93-106 ms with 2; but with 2 threads, whenever another process took a core, every op waited at its thread
-    barrier and the same 48-token prompt took 3-23 s instead of ~3 s."""
-    if device.type != "cpu":
-        yield
-        return
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
+def regenerate_demo_data(cfg: Config, tokenizer) -> tuple[Config, dict | None]:
+    """data.regenerate outside the run directory (data_dir_for), then the config that trains on the result."""
+    if not cfg.data.regenerate:
+        return cfg, None
+    from .data.regenerate import regenerate_for_run
+
+    where = data_dir_for(cfg.run.out_dir)
+    where.mkdir(parents=True, exist_ok=True)
+    data, stats = regenerate_for_run(cfg, where, tokenizer)
+    return dataclasses.replace(cfg, data=data), stats
 
 
 def run_demo(device: str = "auto", minutes: float | None = None, out: str = "runs/demo",
-             overrides: list[str] = ()) -> DemoResult:
-    from .inference.benchmark import evaluate, stop_token_ids
-    from .inference.report import write_report
-    from .models.build import build_drafter, init_output_norm
-    from .models.checkpoint import load_drafter
-    from .models.target import load_target, load_tokenizer, target_config_info
-    from .pipeline.coordinator import train_pipeline
+             overrides: list[str] = (), prompts: str | None = None) -> DemoResult:
+    """prompts: a prompt file of the user's own (another source than the training data), evaluated too."""
     from .devices import parse_device
+    from .inference.measure import measure_acceptance
+    from .models.target import load_tokenizer
+    from .pipeline.coordinator import run_log_file, train_pipeline
 
     t_start = time.perf_counter()
     dev = parse_device(device, "--device")
     cfg = build_demo_config(dev, minutes, out, list(overrides))
-    out_dir = Path(cfg.run.out_dir)
-    n_prompts, new_tokens, max_prompt = EVAL_SIZE["cuda" if dev.type == "cuda" else "cpu"]
+    if prompts is not None:  # checked now, not after the training
+        from .inference.prompts import read_prompt_file
+        read_prompt_file(prompts)
+    kind = "cuda" if dev.type == "cuda" else "cpu"
+    if kind == "cpu":
+        log.info("demo on a CPU: a wiring check of every stage (regeneration off, a few minutes of training, a few "
+                 "prompts); the GPU demo (--device cuda) is the one that trains a useful drafter")
     tokenizer = load_tokenizer(cfg.model.target)
-    prompts = heldout_prompt_ids(cfg, tokenizer, n_prompts, max_prompt)
-    # The random-init drafter exactly as training builds it (build_run seeds, then sizes it the same way).
-    torch.manual_seed(cfg.train.seed)
-    init = build_drafter(cfg.model, target_config_info(cfg.model.target), tokenizer)
-    target = load_target(cfg.model.target, init.config.target_layer_ids, device=dev, truncate=False)
-    if not cfg.model.drafter_init:  # as training starts a fresh drafter (its output gain from the frozen head)
-        init_output_norm(init, target.lm_head.weight)
-    stop_ids = stop_token_ids(target.hf, tokenizer)
     phases = {"setup": time.perf_counter() - t_start}
 
     t0 = time.perf_counter()
-    log.info(f"demo: evaluating the random-init drafter on {len(prompts)} held-out prompts x {new_tokens} tokens")
-    with eval_threads(dev):
-        before = evaluate(target, init.to(dev), prompts, new_tokens, stop_ids=stop_ids)
-    write_report(before, out_dir / "eval_before")
-    phases["eval_before"] = time.perf_counter() - t0
+    cfg, regen = regenerate_demo_data(cfg, tokenizer)
+    phases["regenerate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
     result = train_pipeline(cfg)
     phases["train"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    log.info(f"demo: evaluating the trained drafter on the same {len(prompts)} prompts")
-    with eval_threads(dev):
-        after = evaluate(target, load_drafter(result.drafter_dir, dev), prompts, new_tokens, stop_ids=stop_ids)
-    write_report(after, out_dir / "eval_after")
-    phases["eval_after"] = time.perf_counter() - t0
+    plan = list(EVAL_PLAN[kind]) + ([(prompts, None, USER_PROMPTS_NEW_TOKENS[kind])] if prompts else [])
+    evals = {}
+    with run_log_file(Path(result.out_dir)), eval_threads(dev):
+        for spec, n, new_tokens in plan:
+            name = spec if spec in SET_NAMES else "prompts"
+            report = measure_acceptance(cfg, result.drafter_dir, dev, result, spec=spec, n=n or 10**9,
+                                        new_tokens=new_tokens, out_name=f"eval_{name}")
+            if report is not None:
+                name = SET_NAMES.get(spec, f"your prompts ({Path(spec).name})")
+                evals[name] = dict(report.summary(), new_tokens=new_tokens)
+    phases["evaluate"] = time.perf_counter() - t0
 
-    n_replicas = len(cfg.pipeline.drafter_devices)
     last = result.history[-1] if result.history else {}
-    demo = DemoResult(out_dir, str(dev), before.summary(), after.summary(), result.steps,
-                      cfg.train.token_budget * n_replicas, phases["train"], last.get("tau_est"), phases,
-                      time.perf_counter() - t_start, len(prompts), new_tokens)
+    demo = DemoResult(Path(result.out_dir), str(dev), evals, result.steps,
+                      cfg.train.token_budget * len(cfg.pipeline.drafter_devices), phases["train"],
+                      last.get("tau_est"), result.best, result.data, regen, phases, time.perf_counter() - t_start)
+    out_dir = Path(result.out_dir)
     (out_dir / "demo.json").write_text(json.dumps(dataclasses.asdict(demo), default=str, indent=2) + "\n")
     (out_dir / "demo.txt").write_text(demo.table() + "\n")
     return demo
 
 
+class eval_threads:
+    """One intra-op thread for CPU evaluation. Decoding one sequence is launch-bound: on a shared 2-core machine a
+    second thread gains little and, whenever another process takes a core, makes every op wait at its barrier."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.saved = device, None
+
+    def __enter__(self):
+        if self.device.type == "cpu":
+            self.saved = torch.get_num_threads()
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            torch.set_num_threads(self.saved)
+
+
 def _fmt(x, spec: str, suffix: str = "") -> str:
     return "-" if x is None else format(x, spec) + suffix
-
-
-def _verdict(s: dict) -> str:
-    if s["lossless"] is None:
-        return "n/a (sampling)"
-    return f"{'yes' if s['lossless'] else 'NO'} ({s['identical_prompts']}/{s['num_prompts']} identical)"
 
 
 def _clock(seconds: float) -> str:
@@ -210,28 +215,42 @@ def _clock(seconds: float) -> str:
 
 
 def format_demo_table(d: DemoResult) -> str:
-    b, a = d.before, d.after
-    rows = [
-        ("", "before (random init)", "after training"),
-        (f"mean tau (B={a['block_size']})", _fmt(b["mean_tau"], ".2f"), _fmt(a["mean_tau"], ".2f")),
-        ("lossless (greedy)", _verdict(b), _verdict(a)),
-        ("target-only tokens/s", _fmt(b["baseline_tokens_per_s"], ".1f"), _fmt(a["baseline_tokens_per_s"], ".1f")),
-        ("speculative tokens/s", _fmt(b["speculative_tokens_per_s"], ".1f"),
-         _fmt(a["speculative_tokens_per_s"], ".1f")),
-        ("speedup", _fmt(b["speedup"], ".2f", "x"), _fmt(a["speedup"], ".2f", "x")),
-    ]
-    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
-    lines = [f"dflash-train demo on {d.device}: {d.eval_prompts} held-out prompts x {d.eval_new_tokens} new tokens"]
-    lines += [f"  {r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]:>20}" for r in rows]
+    from .inference.report import verdict_text
+
+    rows = [("prompts (never trained on)", "tau", "speedup", "lossless (greedy)")]
+    for name, s in d.evals.items():
+        rows.append((f"{name}: {s['num_prompts']} x {s['new_tokens']}", _fmt(s["mean_tau"], ".2f"),
+                     _fmt(s["speedup"], ".2f", "x"), verdict_text(s)))
+    w = [max(len(r[i]) for r in rows) for i in range(3)]
+    block = next(iter(d.evals.values()), {}).get("block_size", "?")
+    lines = [f"dflash-train demo on {d.device}: SmolLM2-135M-Instruct + a DFlash drafter (B={block}), greedy"]
+    lines += [f"  {r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]}" for r in rows]
+    est = [f"training {_fmt(d.tau_est, '.2f')} (on its own rows)"]
+    if d.best:
+        est.insert(0, f"validation {d.best['value']:.2f} (held-out rows, best step {d.best['step']:,} of "
+                      f"{d.steps:,}: the drafter measured above)")
+    lines.append("  tau estimates: " + "; ".join(est))
+    data = d.data or {}
+    if data:
+        lines.append(f"  data: {data['conversations']:,} conversations, {data['unique_tokens']:,} unique tokens "
+                     f"({', '.join(f'{k} {v:.0%}' for k, v in data.get('shares', {}).items()) or 'one source'}); "
+                     f"{data['epochs']:.1f} epochs")
+    if d.regen:
+        lines.append(f"  regeneration: {d.regen['generated_tokens']:,} tokens in {_clock(d.regen['seconds'])} "
+                     f"({d.regen['generated_tokens'] / max(d.regen['seconds'], 1e-9):,.0f} tokens/s)")
+    lines.append(f"  training: {d.steps:,} steps x {d.tokens_per_step:,} tokens in {_clock(d.train_s)} (loading and "
+                 "compiling included)")
     p = d.phases
-    lines.append(f"  training: {d.steps} steps, {d.steps * d.tokens_per_step:,} tokens ({d.tokens_per_step:,} per step) "
-                 f"in {_clock(d.train_s)}; tau estimate at the end {_fmt(d.tau_est, '.2f')}")
-    lines.append(f"  wall time {_clock(d.wall_s)} (setup {_clock(p['setup'])}, eval before {_clock(p['eval_before'])}, "
-                 f"training {_clock(p['train'])}, eval after {_clock(p['eval_after'])}); results in {d.out_dir}")
+    lines.append(f"  wall time {_clock(d.wall_s)} (setup {_clock(p['setup'])}, regenerate {_clock(p['regenerate'])}, "
+                 f"train {_clock(p['train'])}, evaluate {_clock(p['evaluate'])}); results in {d.out_dir}")
+    if not d.device.startswith("cuda"):
+        lines.append("  This was a wiring check: on a CPU the drafter is too small and trains too briefly to accept "
+                     "much.")
+        lines.append("  " + GPU_REFERENCE)
     return "\n".join(lines)
 
 
 def run_demo_cli(args) -> int:
-    demo = run_demo(args.device, args.minutes, args.out, args.overrides)
+    demo = run_demo(args.device, args.minutes, args.out, args.overrides, args.prompts)
     print(demo.table())
     return 0

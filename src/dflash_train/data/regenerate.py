@@ -528,9 +528,10 @@ def _select(source: str, max_samples: int | None, counts: Counter) -> Iterator[t
 # ---------------------------------------------------------------------------------------------- entry points
 
 def regenerate_for_run(cfg, out_dir: Path, tokenizer):
-    """data.regenerate: regenerate the run's training conversations (the first data.max_samples on the training
-    side of the split) into <out_dir>/regenerated.jsonl, copy the held-out side unchanged (its prompts are what
-    evaluation uses), and return the DataConfig that reads that file."""
+    """data.regenerate: regenerate the run's conversations (the first data.max_samples on the training side of the
+    split, and the held-out side too: validation scores the drafter on the target's own answers to prompts it never
+    trained on) into <out_dir>/regenerated.jsonl, then data.self_prompts, all within data.regenerate_minutes.
+    Returns (the DataConfig that reads the result, the regeneration's stats as a dict)."""
     from ..models.target import load_causal_lm
     from ..pipeline.devices import resolve_pipeline_devices
     from .conversations import is_heldout
@@ -546,32 +547,55 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     cap = {False: d.max_samples, True: d.heldout_max if d.heldout_fraction > 0 else 0}
 
     def items():
+        # Held-out conversations first: a time limit must never leave validation without its rows.
+        held_first = sorted(iter_source_records(d.source, counts),
+                            key=lambda rc: not is_heldout(rc[1].key, cfg.train.seed, d.heldout_fraction))
         taken = {False: 0, True: 0}
-        for rid, conv in iter_source_records(d.source, counts):
+        for rid, conv in held_first:
             held = is_heldout(conv.key, cfg.train.seed, d.heldout_fraction)
             if cap[held] is None or taken[held] < cap[held]:
                 taken[held] += 1
-                yield rid, conv, not held
+                yield rid, conv, True
             if all(cap[h] is not None and taken[h] >= cap[h] for h in (False, True)):
                 return
 
     total = None if d.max_samples is None else d.max_samples + cap[True]
+    limit = f", for at most {d.regenerate_minutes:g} minutes" if d.regenerate_minutes else ""
     log.info(f"data.regenerate: the target rewrites {d.max_samples or 'all'} training conversations of "
-             f"{d.source!r} into {out_path} on {', '.join(map(str, devices))}")
+             f"{d.source!r} into {out_path} on {', '.join(map(str, devices))}{limit}")
     models = [load_causal_lm(cfg.model.target, dev) for dev in devices]
     cuda = devices[0].type == "cuda"
     batch = batch_size_for(models, d.max_length)
     log.info(f"data.regenerate: {batch} conversations per batch on each device")
-    regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
-                       total=total, replace_mismatch=cfg.run.overwrite)
-    if d.self_prompts:  # prompts the target writes itself, answered into the same file (generation/self_prompts.py)
-        from ..generation.self_prompts import answer_self_prompts
-        d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings)
+    stop = threading.Event()  # set by the time limit: every phase below stops at its engine's next check
+    timer = threading.Timer(60 * d.regenerate_minutes, stop.set) if d.regenerate_minutes else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        stats = regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
+                                   total=total, replace_mismatch=cfg.run.overwrite, stop=stop)
+        if d.self_prompts and not stop.is_set():  # prompts the target writes itself (generation/self_prompts.py)
+            from ..generation.self_prompts import answer_self_prompts
+            d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings, stop=stop,
+                                    stats=stats)
+        elif d.self_prompts:
+            log.warning("data.regenerate_minutes ran out before data.self_prompts: training without self-written "
+                        "prompts (raise data.regenerate_minutes for them)")
+            d = dataclasses.replace(d, self_prompts=0)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if stop.is_set():
+        log.info(f"data.regenerate: stopped at the {d.regenerate_minutes:g}-minute limit; what was written is used "
+                 "(a rerun into the same directory resumes)")
     del models
     gc.collect()  # the runners' reference cycles hold the models, caches and graph pools until collected
     if cuda:
         torch.cuda.empty_cache()
-    return dataclasses.replace(d, source=str(out_path), regenerate=False)
+    return (dataclasses.replace(d, source=str(out_path), regenerate=False),
+            {"generated_tokens": stats.generated_tokens, "seconds": stats.seconds, "turns": stats.turns,
+             "conversations": stats.conversations, "row_use": stats.row_use()})
 
 
 def parse_devices(spec: str) -> list[torch.device]:

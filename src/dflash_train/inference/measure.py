@@ -62,8 +62,9 @@ def eval_prompt_ids(cfg: Config, tokenizer, n: int, spec: str | None = None,
 
 
 def measure_acceptance(cfg: Config, drafter_dir: str | Path, device, result=None, spec: str | None = None,
-                       out_name: str = MEASURED_DIR):
-    """Speculative decoding with the drafter in drafter_dir on up to train.final_eval_prompts prompts -> the
+                       n: int | None = None, new_tokens: int | None = None, out_name: str = MEASURED_DIR):
+    """Speculative decoding with the drafter in drafter_dir on up to n (train.final_eval_prompts) prompts of
+    new_tokens (train.final_eval_new_tokens) each -> the
     EvalReport (also written to <out_dir>/<out_name>/), or None when there is nothing to prompt with (synthetic
     data without held-out documents). result: the TrainResult, whose estimates join the log line and the
     metrics.jsonl record."""
@@ -72,7 +73,7 @@ def measure_acceptance(cfg: Config, drafter_dir: str | Path, device, result=None
     from .benchmark import evaluate, stop_token_ids
     from .report import verdict_text, write_report
 
-    n, new_tokens = cfg.train.final_eval_prompts, cfg.train.final_eval_new_tokens
+    n, new_tokens = n or cfg.train.final_eval_prompts, new_tokens or cfg.train.final_eval_new_tokens
     synthetic = cfg.data.source == "synthetic" and (spec or cfg.data.eval_prompts) == "heldout"
     tokenizer = None if synthetic else load_tokenizer(cfg.model.target)
     drafter = load_drafter(drafter_dir, device)

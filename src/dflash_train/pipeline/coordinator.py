@@ -192,6 +192,7 @@ class _Pipeline:
         return PipelineResult(self.run_setup.out_dir, final, d0.steps_done, self.logger.history, d0.skipped_steps,
                               self.logger.val_history, best,
                               self.run_setup.out_dir / "drafter_last" if best else None,
+                              data=self.run_setup.data_summary,
                               replica_checksums=checksums, stage_fractions=self.reporter.run_fractions(),
                               replica_batches=[d.batch_indices for d in self.drafters])
 

@@ -34,6 +34,7 @@ class RunSetup:
     total_steps: int
     batches_per_step: int
     drafter: DFlashDrafter
+    data_summary: dict  # conversations, unique/supervised tokens, epochs the steps amount to, share per source
 
 
 def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = None) -> RunSetup:
@@ -55,7 +56,7 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
     data_cfg = cfg.data
     if cfg.data.regenerate:  # the target rewrites the answers first; training then reads <out>/regenerated.jsonl
         from ..data.regenerate import regenerate_for_run
-        data_cfg = regenerate_for_run(cfg, out, tokenizer)
+        data_cfg, _ = regenerate_for_run(cfg, out, tokenizer)
     data = load_dataset(data_cfg, tokenizer, seed=cfg.train.seed, cache_dir=cache)
     if not data.train:
         raise ConfigError(f"data.source {cfg.data.source!r} produced no training conversations.")
@@ -78,9 +79,14 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
              f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params")
     log.info(f"data: {len(data.train)} train / {len(data.heldout)} held-out conversations, {rows_per_epoch} rows of "
              f"{cfg.train.token_budget} tokens per epoch; {total_steps} steps")
-    line, too_many = data_passes_line(len(data.train), sum(len(s.input_ids) for s in data.train),
-                                      sum(sum(s.loss_mask) for s in data.train),
-                                      total_steps * batches_per_step / rows_per_epoch)
+    # A data.mix may repeat a small source: its stats count each distinct conversation once.
+    summary = {"conversations": len(data.train),
+               "unique_tokens": data.stats.get("unique_tokens", sum(len(s.input_ids) for s in data.train)),
+               "supervised_tokens": sum(sum(s.loss_mask) for s in data.train),
+               "epochs": total_steps * batches_per_step / rows_per_epoch,
+               "shares": {Path(r["source"]).stem: r["share"] for r in data.stats.get("sources", [])}}
+    line, too_many = data_passes_line(summary["conversations"], summary["unique_tokens"],
+                                      summary["supervised_tokens"], summary["epochs"])
     log.info(line)
     if too_many:
         log.warning(f"{line.removeprefix('data: ')}: past {EPOCHS_WARN:g} epochs a drafter memorises its data and "
@@ -90,4 +96,4 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
         log.warning(f"{too_long} of {len(data.train)} training samples are longer than train.token_budget="
                     f"{cfg.train.token_budget} tokens: each is truncated to its first {cfg.train.token_budget} "
                     "tokens (raise train.token_budget to train on them whole)")
-    return RunSetup(cfg, out, info, tokenizer, data, schedule, total_steps, batches_per_step, drafter)
+    return RunSetup(cfg, out, info, tokenizer, data, schedule, total_steps, batches_per_step, drafter, summary)

@@ -38,6 +38,7 @@ class TrainResult:
     best: dict | None = None  # {"metric", "step", "value"} of the drafter in drafter_dir; None: the final weights
     last_dir: Path | None = None  # the final weights when drafter_dir holds an earlier, better step
     measured: dict | None = None  # the measurement after training (train.py: EvalReport summary), if any
+    data: dict = field(default_factory=dict)  # RunSetup.data_summary: conversations, unique tokens, epochs
 
 
 def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResult:
@@ -99,4 +100,4 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     log.info(validator.summary(step, budget.elapsed_s))
     log.info(f"done: {step} steps; servable drafter in {final}")
     return TrainResult(setup.out_dir, final, step, logger.history, update.skipped(step), logger.val_history, best,
-                       setup.out_dir / "drafter_last" if best else None)
+                       setup.out_dir / "drafter_last" if best else None, data=setup.data_summary)
