@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -60,6 +61,14 @@ def letter_lm(path: str, tok, alphabet: str = "ab ", p_end: float = 0.15):
         head.bias.copy_(bias)
     hf.lm_head = head
     return hf
+
+
+def regenerate_data(cfg, out_dir, tok):
+    """regenerate_for_run's DataConfig (it may also return the regeneration's stats)."""
+    from dflash_train.data.regenerate import regenerate_for_run
+
+    result = regenerate_for_run(cfg, out_dir, tok)
+    return result[0] if isinstance(result, tuple) else result
 
 
 def _lines(path: Path) -> list[dict]:
@@ -169,6 +178,11 @@ def test_self_prompts_are_filtered_reproducible_per_seed_and_resumable(chat_targ
     assert write_self_prompts(hf, tok, out, 12, settings()).sampled == 0
     assert write_self_prompts(hf, tok, out, 5, settings()).sampled == 0 and out.read_text() == data
 
+    # A set stop event (a time limit) ends sampling before its next batch.
+    stopped = threading.Event()
+    stopped.set()
+    assert write_self_prompts(hf, tok, tmp_path / "stopped.jsonl", 12, settings(), stop=stopped).sampled == 0
+
     # Other settings: refused, not extended.
     with pytest.raises(UserError, match="other settings.*batch_size=8 \\(now 4\\)"):
         write_self_prompts(hf, tok, out, 12, settings(batch_size=4))
@@ -192,8 +206,6 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
     from dflash_train.config import build_config
     from dflash_train.data.conversations import ChatEncoder
     from dflash_train.data.dataset import load_dataset
-    from dflash_train.data.regenerate import regenerate_for_run
-
     tok = make_byte_tokenizer()
     hf = letter_lm(chat_target, tok, p_end=0.08)
     monkeypatch.setattr(target_mod, "load_causal_lm", lambda target, device: hf)
@@ -204,7 +216,7 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
                                  "self_prompt_max_tokens": 24},
                         "pipeline": {"target_devices": ["cpu"], "drafter_devices": ["cpu"]},
                         "run": {"out_dir": str(tmp_path / "run")}})
-    d = regenerate_for_run(cfg, tmp_path / "run", tok)
+    d = regenerate_data(cfg, tmp_path / "run", tok)
     run = tmp_path / "run"
     assert d.mix == [str(run / "regenerated.jsonl"), str(run / "self_regenerated.jsonl")] and not d.regenerate
     prompts = _lines(run / "self_prompts.jsonl")
@@ -233,7 +245,7 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
         assert trained == messages[1]["content"] + "<|im_end|>"  # the answer and its end, never the prompt
     # A rerun resumes: nothing is sampled or answered again.
     before = [(run / f).read_text() for f in ("regenerated.jsonl", "self_prompts.jsonl", "self_regenerated.jsonl")]
-    regenerate_for_run(cfg, run, tok)
+    regenerate_data(cfg, run, tok)
     assert [(run / f).read_text() for f in ("regenerated.jsonl", "self_prompts.jsonl", "self_regenerated.jsonl")] \
         == before
 
@@ -338,8 +350,6 @@ def test_a_target_that_writes_no_usable_prompt_trains_on_the_regenerated_source_
                                                                                          monkeypatch, caplog):
     import dflash_train.models.target as target_mod
     from dflash_train.config import build_config
-    from dflash_train.data.regenerate import regenerate_for_run
-
     tok = make_byte_tokenizer()
     hf = letter_lm(chat_target, tok, alphabet="a", p_end=0.999)  # every sampled turn is empty
     monkeypatch.setattr(target_mod, "load_causal_lm", lambda target, device: hf)
@@ -348,7 +358,7 @@ def test_a_target_that_writes_no_usable_prompt_trains_on_the_regenerated_source_
                                  "self_prompts": 2, "heldout_fraction": 0.0, "regenerate_max_new_tokens": 4},
                         "pipeline": {"target_devices": ["cpu"], "drafter_devices": ["cpu"]}})
     with caplog.at_level("WARNING", logger="dflash_train"):
-        d = regenerate_for_run(cfg, tmp_path / "run", tok)
+        d = regenerate_data(cfg, tmp_path / "run", tok)
     assert d.mix == [] and d.source == str(tmp_path / "run" / "regenerated.jsonl") and d.self_prompts == 0
     assert "no self-written conversation to train on" in caplog.text
 

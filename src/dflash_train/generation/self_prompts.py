@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import re
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,15 +207,15 @@ def _resume(out_path: Path, count: int) -> tuple[list[dict], int | None]:
 
 @torch.no_grad()
 def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings: SelfPromptSettings,
-                       replace: bool = False) -> SelfPromptStats:
+                       replace: bool = False, stop: threading.Event | None = None) -> SelfPromptStats:
     """Sample until out_path holds `count` self-written prompts (or MAX_SAMPLED x count rows were sampled in all);
-    appended, flushed after every batch, resumable."""
+    appended, flushed after every batch, resumable. A set `stop` ends sampling before the next batch."""
     from ..inference.baseline import BatchGenerator
     from ..inference.benchmark import stop_token_ids
 
     out_path = Path(out_path)
     tpl = user_turn_template(tokenizer)
-    stop = {tpl.end_id, *stop_token_ids(hf, tokenizer)}
+    stop_ids = {tpl.end_id, *stop_token_ids(hf, tokenizer)}
     special = special_token_ids(tokenizer)
     _check_settings(out_path, settings, replace)
     kept, batch = _resume(out_path, count)
@@ -230,16 +231,16 @@ def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings
     runner = BatchGenerator(hf, b, len(tpl.prefix_ids) + settings.max_new_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     with open(out_path, "a", encoding="utf-8") as f:
-        while stats.kept < count and batch < last_batch:
-            rows = sample_user_turns(hf, tpl.prefix_ids, b, settings.max_new_tokens, sorted(stop),
+        while stats.kept < count and batch < last_batch and not (stop is not None and stop.is_set()):
+            rows = sample_user_turns(hf, tpl.prefix_ids, b, settings.max_new_tokens, sorted(stop_ids),
                                      settings.temperature, batch_generator(settings.seed, batch, device), pad_id,
                                      runner)
             stats.sampled += len(rows)
             lines = []
             for tokens in rows:
-                body = tokens[:-1] if tokens and tokens[-1] in stop else tokens
+                body = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
                 text = tokenizer.decode(body, skip_special_tokens=False).strip()
-                reason = judge(tokens, text, stop, special, settings.min_chars)
+                reason = judge(tokens, text, stop_ids, special, settings.min_chars)
                 key = normalised(text)
                 if reason is None and key in seen:
                     reason = "duplicate"
@@ -281,11 +282,14 @@ def self_prompt_items(records: list[dict]) -> Iterator[tuple[str, object, bool]]
         yield f"{r['id']}_0", Conversation(key=r["id"], messages=messages), True
 
 
-def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, regenerated: Path, settings):
+def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, regenerated: Path, settings,
+                        stop: threading.Event | None = None, stats=None):
     """data.self_prompts (called by regenerate_for_run with its loaded models, after it regenerated data.source into
     `regenerated` with `settings`): write <out_dir>/self_prompts.jsonl with the first model, have every model
     answer them into <out_dir>/self_regenerated.jsonl (greedy, like the other conversations; resumable), and return
-    the DataConfig that reads both files, each conversation once (data.mix without weights: one log line each)."""
+    the DataConfig that reads both files, each conversation once (data.mix without weights: one log line each).
+    A set `stop` (a time limit) ends both phases before their next batch: what was written is used. stats: the
+    source's RegenerateStats, to which the answers' counts and seconds are added."""
     from ..data.regenerate import regenerate_dataset
 
     d = cfg.data
@@ -298,12 +302,15 @@ def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, 
     if path.is_file() and meta.is_file():
         # the batch size changes what each batch draws: a resumed file keeps the one it was written with
         own.batch_size = json.loads(meta.read_text()).get("batch_size", batch_size)
-    write_self_prompts(models[0], tokenizer, path, d.self_prompts, own, replace=cfg.run.overwrite)
+    write_self_prompts(models[0], tokenizer, path, d.self_prompts, own, replace=cfg.run.overwrite, stop=stop)
     records = read_self_prompts(path, d.self_prompts)
-    if records:
-        regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
-                           dataclasses.replace(settings, source=str(path)), batch_size=batch_size,
-                           total=len(records), replace_mismatch=cfg.run.overwrite)
+    if records and not (stop is not None and stop.is_set()):
+        answered = regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
+                                      dataclasses.replace(settings, source=str(path)), batch_size=batch_size,
+                                      total=len(records), replace_mismatch=cfg.run.overwrite, stop=stop)
+        if stats is not None:
+            stats.add(answered)
+            stats.seconds += answered.seconds
     # Both files hold exactly what was chosen (data.max_samples of the source, data.self_prompts of the target's):
     # read them whole. A file with nothing on its training side (no prompt passed the filters, data.max_samples=0)
     # is left out rather than failing the load.
