@@ -269,7 +269,7 @@ def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys):
                "train.token_budget=128", "train.num_anchors=8"])
     assert rc == 0
     table = capsys.readouterr().out
-    for needle in ("prompts (never trained on)", "yardstick (another source): 3 x 32", "ShareGPT held out: 3 x 32",
+    for needle in ("prompts (never trained on)", "yardstick (another source): 3 x 32", "held out from the training data: 3 x 32",
                    "your prompts (own.jsonl): 4 x 32", "tau estimates: validation", "data: ", "training: ",
                    "wall time", "wiring check", "--device cuda"):
         assert needle in table, (needle, table)
@@ -281,6 +281,34 @@ def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys):
     for f in ("training.png", "eval_yardstick/eval.json", "eval_heldout/eval.png", "eval_prompts/eval.json",
               "drafter/model.safetensors", "drafter_last/model.safetensors", "demo.txt"):
         assert (out / f).is_file(), f
+
+
+def test_demo_with_regeneration_and_self_prompts_reuses_its_data(chat_target, tmp_path, capsys):
+    """The GPU demo's data path, at CPU size: the target rewrites the answers (held-out ones too) and writes prompts
+    of its own, the run trains on what it wrote, and a second demo run reuses the regenerated data."""
+    data = write_chats(tmp_path / "chats.jsonl", 60)
+    out = tmp_path / "demo"
+    args = ["demo", "--device", "cpu", "--out", str(out), "--minutes", "0.02", f"model.target={chat_target}",
+            f"data.source={data}", "data.heldout_fraction=0.1", "data.regenerate=true", "data.self_prompts=12",
+            "data.self_prompt_max_tokens=24", "data.regenerate_max_new_tokens=8", "data.regenerate_minutes=5",
+            "model.num_draft_layers=1", "model.block_size=4", "train.token_budget=128", "train.num_anchors=8"]
+    assert main(args) == 0
+    table = (out / "demo.txt").read_text()
+    assert "regeneration: " in table and "tokens/s" in table
+    data_dir = tmp_path / "demo-data"
+    regen = _records(data_dir / "regenerated.jsonl")
+    assert len(regen) == 60  # the held-out side is regenerated too: validation scores the target's own answers
+    src = {f"chat{i}": f"It is {i}." for i in range(60)}
+    assert all(r["messages"][1]["content"] != src[r["id"].rsplit("_", 1)[0]] for r in regen)
+    # A random tiny target rarely ends a user turn, so few of its prompts pass the filters (tests/test_self_prompts.py
+    # answers and trains on them with a target that does); the file is written where re-runs find it.
+    assert (data_dir / "self_prompts.jsonl").is_file()
+    demo = json.loads((out / "demo.json").read_text())
+    assert demo["regen"]["generated_tokens"] > 0 and demo["data"]["conversations"] > 0
+    capsys.readouterr()
+    assert main(args) == 0  # again: the data is reused, the old run directory moved aside
+    assert "60 already done" in capsys.readouterr().out
+    assert list(tmp_path.glob("demo.old-*"))
 
 
 def test_read_done_ids_ignores_garbage(tmp_path):

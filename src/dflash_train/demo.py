@@ -50,7 +50,7 @@ GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.self_pro
 EVAL_PLAN = {"cpu": [("yardstick", 3, 32), ("heldout", 3, 32)],
              "cuda": [("yardstick", None, 256), ("heldout", 32, 256)]}
 USER_PROMPTS_NEW_TOKENS = {"cpu": 32, "cuda": 256}
-SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "ShareGPT held out"}
+SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "held out from the training data"}
 # Printed by the CPU demo: what the same command reaches on a GPU (docs/BENCHMARKS.md, "The GPU demo").
 GPU_REFERENCE = ("On one H200, `dflash-train demo --device cuda` regenerates its data, trains and measures in under "
                  "20 minutes: see docs/BENCHMARKS.md (\"The GPU demo\") for the tau it reaches.")

@@ -123,17 +123,30 @@ def chat_prompt(turns: list, where: str) -> list[dict]:
 
 
 def heldout_prompts(data, tokenizer, n: int, seed: int = 0) -> list[Prompt]:
-    """Up to n prompts from the held-out conversations of `data` (a DataConfig; the same split training holds out
-    with the same seed): each conversation up to its first assistant turn. Raises what loading the data raises."""
-    import dataclasses
+    """Up to n prompts from the held-out conversations of `data` (a DataConfig: data.source, or every source of a
+    data.mix; the same split training holds out with the same seed, data/conversations.is_heldout): each
+    conversation up to its first assistant turn, in file order. Reads the conversations only (no tokenizing):
+    the tokenizer is the caller's, for tokenize_prompts. Raises what reading the source raises."""
+    from collections import Counter
 
-    from ..data.dataset import load_dataset
+    from ..data.conversations import is_heldout
+    from ..data.sources import iter_conversations, open_source
 
-    # max_samples=1: reading stops as soon as the held-out side is full; the train side is not needed.
-    d = dataclasses.replace(data, max_samples=1, heldout_max=n, regenerate=False)
-    split = load_dataset(d, tokenizer, seed=seed, cache_dir="")
-    return [Prompt("messages", chat_prompt(m, f"held-out conversation {i}"))
-            for i, m in enumerate(split.heldout_messages)][:n]
+    sources = [s for s, _ in data.mix_weights()] if data.mix else [data.source]
+    prompts: list[Prompt] = []
+    for source in sources:
+        with open_source(source) as path:
+            for conv in iter_conversations(path, Counter()):
+                if len(prompts) >= n:
+                    return prompts
+                if not is_heldout(conv.key, seed, data.heldout_fraction):
+                    continue
+                try:
+                    prompts.append(Prompt("messages", chat_prompt(conv.messages, f"held-out conversation {conv.key}"),
+                                          id=conv.key))
+                except PromptError:  # no user turn before the first answer: nothing to prompt with
+                    continue
+    return prompts
 
 
 def default_prompts(tokenizer, n: int, seed: int = 0) -> list[Prompt]:
