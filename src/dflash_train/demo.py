@@ -13,7 +13,7 @@ resumes where it stopped); the run directory itself is moved aside on a re-run (
 lands in the run directory: the drafter (best validation step), drafter_last/, checkpoints, metrics.jsonl,
 TensorBoard events, training.png, eval_<set>/ (eval.json + eval.png), demo.json and demo.txt (the table).
 
-The embedded GGUF is converted once into a Hugging Face directory under <out>/../.cache: every GGUF load
+The embedded GGUF (or a model.target=X.gguf) is converted once into a Hugging Face directory under <out>/../.cache: every GGUF load
 dequantizes all tensors and rebuilds the tokenizer (tens of seconds on a CPU), and a run loads the target several
 times (tokenizer, sizes, regeneration, training target, evaluation target). The weights are saved in fp32, exactly
 as dequantized.
@@ -38,12 +38,12 @@ log = logging.getLogger("dflash_train")
 
 RECIPE = "smollm2_demo"
 # One H200: ~5 minutes of regeneration (every ShareGPT answer, turn by turn, then prompts the target writes itself),
-# 3 epochs of that data (the schedule's length follows the data; max_minutes is a safety net), 8,192-token rows
+# 4 epochs of that data (the schedule's length follows the data; max_minutes is a safety net), 8,192-token rows
 # with 1,024 anchors, flex target attention replayed as a CUDA graph, validation every 500 steps.
 GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.self_prompts=30000",
                  "data.regenerate_minutes=5", "data.max_length=2048", "train.token_budget=8192",
                  "train.num_anchors=1024", "train.lr=2e-3", "train.warmup_ratio=0.04", "train.max_steps=null",
-                 "train.epochs=3", "train.max_minutes=9", "train.log_every=100", "train.eval_every=500",
+                 "train.epochs=4", "train.max_minutes=8", "train.log_every=100", "train.eval_every=500",
                  "train.checkpoint_every=2000", "train.final_eval_prompts=0", "model.num_draft_layers=5",
                  "model.target_attention=flex", "model.target_graphs=true"]
 # What each device evaluates: (prompt set, prompts, new tokens per prompt). None = every prompt of the set.
@@ -76,27 +76,31 @@ class DemoResult:
         return format_demo_table(self)
 
 
-def local_embedded_target(cache_root: Path) -> Path:
-    """The embedded GGUF as a Hugging Face directory (fp32 safetensors + tokenizer), converted once."""
+def local_embedded_target(cache_root: Path, gguf: str | None = None) -> Path:
+    """The embedded GGUF (or the .gguf file `gguf`) as a Hugging Face directory (fp32 safetensors + tokenizer),
+    converted once into cache_root."""
     from transformers import AutoModelForCausalLM
 
     from .models.target import load_causal_lm, load_tokenizer
 
-    dest = cache_root / HF_CACHE_NAME
+    if gguf is None:
+        dest = cache_root / HF_CACHE_NAME
+    else:  # named after the file and its size, so that another file of the same name is converted afresh
+        dest = cache_root / f"{Path(gguf).stem}-{Path(gguf).stat().st_size}-hf"
     if (dest / "config.json").is_file() and (dest / "tokenizer.json").is_file():
         return dest
-    log.info(f"converting the embedded SmolLM2 GGUF into {dest} (once; later runs load it in a second)")
+    log.info(f"converting {gguf or 'the embedded SmolLM2 GGUF'} into {dest} (once; later runs load it in a second)")
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = load_tokenizer(None)
-    gguf = load_causal_lm(None, "cpu", torch.float32)
+    tokenizer = load_tokenizer(gguf)
+    model = load_causal_lm(gguf, "cpu", torch.float32)
     # transformers refuses to save a model loaded from GGUF ("quantized with gguf"): the same weights, already
     # dequantized, go into a plain model of the same config instead (logits identical, checked in the tests).
-    config = copy.deepcopy(gguf.config)
+    config = copy.deepcopy(model.config)
     del config.quantization_config
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    hf.load_state_dict(gguf.state_dict(), strict=True)
-    hf.generation_config = gguf.generation_config
+    hf.load_state_dict(model.state_dict(), strict=True)
+    hf.generation_config = model.generation_config
     hf.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(dest, ignore_errors=True)
@@ -112,9 +116,11 @@ def build_demo_config(device: torch.device, minutes: float | None, out: str, ove
     if minutes is not None:
         ov.append(f"train.max_minutes={minutes}")
     cfg = load_config(RECIPE, ov + list(overrides))
-    if cfg.model.target is None:
+    gguf = cfg.model.target
+    if gguf is None or (gguf.endswith(".gguf") and Path(gguf).is_file()):
+        # A GGUF load dequantizes every tensor and rebuilds the tokenizer, and a demo loads the target many times
         cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(out).parent / ".cache"
-        cfg = load_config(RECIPE, ov + list(overrides) + [f"model.target={local_embedded_target(cache)}"])
+        cfg = load_config(RECIPE, ov + list(overrides) + [f"model.target={local_embedded_target(cache, gguf)}"])
     return cfg
 
 

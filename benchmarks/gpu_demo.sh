@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The README's GPU demo on one H200 (torch 2.11, no network, at most 64 MiB carried and 10 minutes per call),
+# run from the repo root in back-to-back device calls on one warm machine:
+#   check    carry .gpu/a .gpu/data .gpu/whl: stage the first half of the GGUF, the ShareGPT chats (replies blanked,
+#            written here by `PYTHONPATH=src python3 benchmarks/gpu_data.py`) and the gguf wheel under /tmp;
+#            then the GPU checks that need no real weights: a tiny pipeline with validation and the measurement
+#            after training (reduce-overhead steps in worker threads, flex target as a CUDA graph), and the
+#            `generate` benchmark (continuous batching vs static batches, SmolLM2 shape, random weights)
+#   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
+#   poll     the demo log's last lines
+#   collect  the demo's table, logs, metrics and eval reports into $OUT
+# The GGUF halves: `split -n 2 -d SmolLM2-135M-Instruct.Q4_1.gguf` into .gpu/a and .gpu/b (git-ignored).
+set -u
+export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+S=/tmp/dflash
+OUT=${OUT:-/tmp/out}
+GGUF=$S/SmolLM2-135M-Instruct.Q4_1.gguf
+stage() { echo; echo "=== $1 ($(date +%T))"; }
+
+check() {
+  stage "staging"
+  mkdir -p $S/data && cp .gpu/a/ggufpart00 $S/
+  gunzip -c .gpu/data/train_chats.jsonl.gz > $S/data/train_chats.jsonl
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  stage "tiny pipeline on the GPU: validation + measurement after training, reduce-overhead in worker threads"
+  python3 - <<'EOF'
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
+                             tie_word_embeddings=False)).save_pretrained("/tmp/tiny_llama")
+EOF
+  timeout 300 python3 -m dflash_train.cli train --config tiny_cpu model.target=/tmp/tiny_llama run.out_dir=/tmp/tinyrun \
+      run.overwrite=true "pipeline.target_devices=[cuda:0]" "pipeline.drafter_devices=[cuda:0]" \
+      train.compile=reduce-overhead train.attention=flex train.dtype=bf16 model.target_attention=flex \
+      model.target_graphs=true data.heldout_fraction=0.1 train.max_steps=60 train.eval_every=20 \
+      train.final_eval_prompts=4 train.final_eval_new_tokens=32 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
+  stage "generate benchmark: continuous batching vs static batches (SmolLM2 shape, random weights)"
+  timeout 240 python3 benchmarks/bench.py --only generate --budget-s 200 2>&1 | tail -22
+}
+
+start() {
+  stage "start the demo"
+  cat $S/ggufpart00 .gpu/b/ggufpart01 > $GGUF && md5sum $GGUF
+  # The working tree is laid anew at every call: the demo runs from its own copy of the source.
+  rm -rf $S/src && cp -r src $S/src
+  cd /tmp && setsid nohup env PYTHONPATH=/tmp/site:$S/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+      python3 -m dflash_train.cli demo --device cuda --out $S/runs/demo model.target=$GGUF \
+      data.source=$S/data/train_chats.jsonl ${DEMO_ARGS:-} > $S/demo.log 2>&1 < /dev/null &
+  sleep 45; grep -v -E "it/s\]|s/it\]" $S/demo.log | tail -8
+}
+
+poll() {
+  sleep "${POLL_S:-500}"
+  grep -v -E "it/s\]|s/it\]" $S/demo.log | grep -v "^.*step .*tok/s" | tail -12
+  grep -E "^.* step " $S/demo.log | tail -3
+}
+
+collect() {
+  mkdir -p "$OUT"
+  local r=$S/runs/demo
+  cp $S/demo.log "$OUT/" 2>/dev/null
+  cp $r/demo.txt $r/demo.json $r/training.png $r/metrics.jsonl "$OUT/" 2>/dev/null
+  for e in yardstick heldout; do cp $r/eval_$e/eval.json "$OUT/eval_$e.json" 2>/dev/null; done
+  cat $r/demo.txt 2>/dev/null
+}
+
+for s in "${@:-check}"; do "$s"; done 2>&1 | tee -a "$OUT/gpu_demo.log"
