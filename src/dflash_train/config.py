@@ -85,6 +85,9 @@ class DataConfig:
                                  "training reads that file: the drafter learns the target's own answers. Resumable: "
                                  "conversations already in the file are kept.")
     regenerate_max_new_tokens: int = _f(256, "data.regenerate: at most this many new tokens per assistant turn.")
+    regenerate_first_turn_only: bool = _f(False, "data.regenerate: keep each conversation up to its first answer "
+                                                 "(one reply per conversation, a short prompt to prefill: many "
+                                                 "more conversations per minute than turn-by-turn histories).")
     regenerate_minutes: float | None = _f(None, "data.regenerate: stop regenerating (and writing self-prompts) after "
                                                 "this many minutes and train on what was written (held-out "
                                                 "conversations go first). Empty = no limit.")

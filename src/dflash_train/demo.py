@@ -40,10 +40,10 @@ RECIPE = "smollm2_demo"
 # One H200: ~5 minutes of regeneration (every ShareGPT answer, turn by turn, then prompts the target writes itself),
 # 4 epochs of that data (the schedule's length follows the data; max_minutes is a safety net), 8,192-token rows
 # with 1,024 anchors, flex target attention replayed as a CUDA graph, validation every 500 steps.
-GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.self_prompts=30000",
-                 "data.regenerate_minutes=5", "data.max_length=2048", "train.token_budget=8192",
+GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenerate_first_turn_only=true",
+                 "data.self_prompts=40000", "data.regenerate_minutes=5", "data.max_length=2048", "train.token_budget=8192",
                  "train.num_anchors=1024", "train.lr=2e-3", "train.warmup_ratio=0.04", "train.max_steps=null",
-                 "train.epochs=4", "train.max_minutes=8", "train.log_every=100", "train.eval_every=500",
+                 "train.epochs=4", "train.max_minutes=7", "train.log_every=100", "train.eval_every=500",
                  "train.checkpoint_every=2000", "train.final_eval_prompts=0", "model.num_draft_layers=5",
                  "model.target_attention=flex", "model.target_graphs=true"]
 # What each device evaluates: (prompt set, prompts, new tokens per prompt). None = every prompt of the set.

@@ -541,8 +541,9 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     devices = list(dict.fromkeys(targets + drafters))  # every device the run will use, once each
     out_path = Path(out_dir) / "regenerated.jsonl"
     settings = RegenerateSettings(source=d.source, target=str(cfg.model.target or "smollm2"),
-                                  max_new_tokens=d.regenerate_max_new_tokens, temperature=0.0, single_turn=False,
-                                  max_length=d.max_length, seed=cfg.train.seed)
+                                  max_new_tokens=d.regenerate_max_new_tokens, temperature=0.0,
+                                  single_turn=d.regenerate_first_turn_only, max_length=d.max_length,
+                                  seed=cfg.train.seed)
     counts: Counter = Counter()
     cap = {False: d.max_samples, True: d.heldout_max if d.heldout_fraction > 0 else 0}
 
