@@ -47,7 +47,7 @@ def test_checkpoint_format_and_bit_exact_reload(kind, tiny_llama, tiny_qwen3, tm
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == ["DFlashDraftModel"] and conf["model_type"] == "qwen3"
     assert conf["block_size"] == 16 and conf["num_target_layers"] == 4
-    assert conf["dflash_config"] == {"target_layer_ids": [1, 1, 1, 1, 1], "mask_token_id": 127}
+    assert conf["dflash_config"] == {"target_layer_ids": [1], "mask_token_id": 127}
     assert conf["layer_types"] == ["full_attention", "full_attention"]
     assert conf["num_hidden_layers"] == 2 and conf["hidden_size"] == 64
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -74,7 +74,7 @@ def test_default_drafter_is_sized_from_target(tiny_qwen3):
     c = d.config
     assert (c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size) == (64, 4, 2, 16, 128)
     assert c.num_hidden_layers == 1 and c.block_size == 16
-    assert c.target_layer_ids == [1, 1, 1, 1, 1]  # L = 4: the rule spreads 5 taps over layers 1..1
+    assert c.target_layer_ids == [1]  # L = 4: layers 1..L-3 hold one distinct tap, not 5
 
 
 def test_config_errors_name_the_key(tmp_path):

