@@ -6,7 +6,7 @@ the eager loss with the same weights, acc@1 and the gradient norm. Environment s
   DONATE=0  AOTAutograd donated buffers off (the product's setting since training/cudagraphs.py)
   THREAD=1  run the loop in a plain threading.Thread
 Run: PYTHONPATH=src [TREES=1] [DONATE=0] python3 benchmarks/gpu_cudagraph_grad_check.py reduce-overhead flex
-(docs/BENCHMARKS.md section 7 has the figures.) Note: importing dflash_train.training.step already sets donated
+(docs/dev-log.md section 7 has the figures.) Note: importing dflash_train.training.step already sets donated
 buffers off; this script sets them back on unless DONATE=0, to reproduce the bug.
 """
 import copy, os, sys

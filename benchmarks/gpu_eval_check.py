@@ -1,6 +1,6 @@
 """GPU check for the speculative evaluator (issue 4): plain vs DFlash speculative decoding on the same harness.
 
-Run on the H200 machine (no network; the GGUF travels as described in GPU.md):
+Run on the H200 machine (no network; the GGUF travels in two halves as benchmarks/gpu_demo.sh describes):
   PYTHONPATH=src python3 benchmarks/gpu_eval_check.py --target .gpu/SmolLM2-135M-Instruct.Q4_1.gguf --drafter DIR
 Without --drafter a random drafter is built (tau ~ 1: checks the plumbing, losslessness and graph speed only).
 

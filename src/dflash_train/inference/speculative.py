@@ -1,4 +1,4 @@
-"""Lossless DFlash speculative decoding of one prompt (DFLASH.md "Inference").
+"""Lossless DFlash speculative decoding of one prompt (docs/DESIGN.md "Inference").
 
 1. Prefill the target on the prompt with feature taps; the first new token comes from its last logits and the
    drafter's context is the prompt's features (positions 0..P-1).

@@ -1,4 +1,4 @@
-"""The servable drafter format (DFLASH.md "Checkpoint format"): config.json + model.safetensors.
+"""The servable drafter format (docs/DESIGN.md "The checkpoint contract"): config.json + model.safetensors.
 
 The weights are the drafter's own parameters under their own names (layers.{i}.self_attn.q_proj.weight, fc.weight,
 hidden_norm.weight, norm.weight, ...): no embedding, no LM head. config.json is a Qwen3 config sized like the

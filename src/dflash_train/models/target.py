@@ -88,7 +88,7 @@ def load_tokenizer(target: str | None):
 
 
 def default_layer_ids(num_layers: int, k: int) -> list[int]:
-    """k distinct layers spread evenly from layer 1 to layer L-3, rounded; k = 1 gives [L // 2] (DFLASH.md).
+    """k distinct layers spread evenly from layer 1 to layer L-3, rounded; k = 1 gives [L // 2] (docs/DESIGN.md).
 
     Never a repeated layer and never the last one (L-1): SGLang and vLLM capture each layer's output once and read
     the last layer only after the final norm. A shallow target has room for fewer than k layers: it gets fewer taps
