@@ -84,9 +84,9 @@ def init_output_norm(drafter: DFlashDrafter, head_w: torch.Tensor) -> float:
     unit-RMS output state gives logits of standard deviation ~1 (near-uniform predictions).
 
     Why: at gain 1 a fresh drafter's output is dominated by the MASK embedding, which the head scores with large,
-    confidently wrong logits. Measured on SmolLM2-135M (CPU, 3 draft layers, 60 AdamW steps of 512 tokens x 32
-    anchors, ShareGPT): first-step loss 47.2 -> 18.4, mean loss of the last 20 steps 8.28 -> 7.76, acc@1 0.034 ->
-    0.042. The gain is a parameter and keeps training; resumed or `model.drafter_init` drafters are left alone."""
+    confidently wrong logits: its first losses sit far above ln V and the first steps are spent undoing that
+    (figures: docs/dev-log.md, 'Two observations'). The gain is a parameter and keeps training; resumed or
+    `model.drafter_init` drafters are left alone."""
     gain = 1.0 / head_w.float().norm(dim=1).mean().clamp_min(1e-6).item()
     drafter.norm.weight.fill_(gain)
     return gain

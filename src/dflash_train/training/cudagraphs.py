@@ -22,10 +22,9 @@ def configure_cudagraphs() -> None:
       (benchmarks/gpu_pipeline_check.py); never set it for training.
     - AOTAutograd donated buffers off. With them, the backward may write into the saved activations it receives;
       under per-function CUDA graphs those are the forward graph's static outputs, and the backward's warm-up and
-      capture runs clobber them before the replay reads them. Measured on the H200 (torch 2.11, 2-layer drafter,
-      40 AdamW steps, benchmarks/gpu_cudagraph_grad_check.py): trees off + donated buffers on gave a first-step
-      grad norm of 41.7 instead of 48.0 and stalled training (acc@1 0.50 vs 0.875 at step 39); donated buffers off
-      matched eager / `default` exactly (docs/BENCHMARKS.md, section 7).
+      capture runs clobber them before the replay reads them: the gradients come out wrong and training stalls,
+      with no error. With donated buffers off the step matches eager / `default` exactly
+      (benchmarks/gpu_cudagraph_grad_check.py reproduces both; docs/DESIGN.md, docs/dev-log.md section 7).
     """
     inductor_config.triton.cudagraph_trees = os.environ.get("DFLASH_CUDAGRAPH_TREES") == "1"
     functorch_config.donated_buffer = False
