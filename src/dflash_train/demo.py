@@ -37,7 +37,8 @@ from .config import Config, load_config
 log = logging.getLogger("dflash_train")
 
 RECIPE = "smollm2_demo"
-# One H200: ~5 minutes of regeneration (every ShareGPT answer, turn by turn, then prompts the target writes itself),
+# One H200: ~5 minutes of regeneration (ShareGPT first turns: every turn would re-prefill the whole history; then
+# 40,000 prompts the target writes itself, and its answers),
 # 4 epochs of that data (the schedule's length follows the data; max_minutes is a safety net), 8,192-token rows
 # with 1,024 anchors, flex target attention replayed as a CUDA graph, validation every 500 steps.
 GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenerate_first_turn_only=true",
