@@ -119,14 +119,18 @@ class MetricsLogger:
         rec.update(extra or {})
         line = (f"val  {step:>6}/{self.total_steps} | loss {rec['loss']:.4f} | acc@1 {acc[0]:.3f} "
                 f"acc@4 {acc[min(3, len(acc) - 1)]:.3f} | tau~ {rec['tau_est']:.2f}")
+        if "tau_decoding" in rec:  # training/validation.py: decoding's walk over the held-out replies
+            line += f" | tau as decoded {rec['tau_decoding']:.2f}"
         if "best_step" in rec:
-            line += f" | best tau~ {rec['best_tau_est']:.2f} at step {rec['best_step']}"
+            line += f" | best {rec['best_tau_decoding']:.2f} at step {rec['best_step']}"
         log.info(line)
         self.val_history.append(rec)
         self._write(rec)
         if self._tb:
             self._tb.add_scalar("val/loss", rec["loss"], step)
             self._tb.add_scalar("val/tau_est", rec["tau_est"], step)
+            if "tau_decoding" in rec:
+                self._tb.add_scalar("val/tau_decoding", rec["tau_decoding"], step)
             for k, a in enumerate(acc, start=1):
                 self._tb.add_scalar(f"val_acc/pos{k:02d}", a, step)
         return rec

@@ -424,7 +424,11 @@ def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Ten
     ce, pred = ce.view(A, block_size - 1), pred.view(A, block_size - 1)
     w = position_weights(block_size, gamma, device=ce.device)[None, :] * lay.valid.float()
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
-    out = acceptance_metrics(pred == lay.labels, lay.valid)
+    correct = pred == lay.labels
+    out = acceptance_metrics(correct, lay.valid)
     out["loss"] = loss
     out["num_labels"] = lay.valid.sum()
+    # Per block: what decoding would accept from this anchor (the leading right drafts, plus the target's own
+    # token): validation walks these from anchor to anchor as decoding does (training/validation.py).
+    out["accept_len"] = 1 + torch.cumprod((correct & lay.valid).long(), dim=1).sum(1)    # [A]
     return out

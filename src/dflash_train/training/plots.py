@@ -67,8 +67,11 @@ def write_training_plots(out_dir: str | Path, history: list[dict], val_history: 
     if val:
         ax_tau.plot([r["step"] for r in val], [r["tau_est"] for r in val], "o-", ms=3, color="tab:blue",
                     label="validation (held out)")
+        if all("tau_decoding" in r for r in val):  # decoding's walk: what speculative decoding would accept
+            ax_tau.plot([r["step"] for r in val], [r["tau_decoding"] for r in val], "s--", ms=3, color="tab:purple",
+                        label="validation, as decoded")
+            title += f", val as decoded {val[-1]['tau_decoding']:.2f}"
         ax_tau.legend(fontsize=8)
-        title += f", val {val[-1]['tau_est']:.2f}"
     ax_tau.set_xlabel("step")
     ax_tau.set_ylabel("1 + sum_k prod_{j<=k} cond_acc_j")
     ax_tau.set_ylim(bottom=1.0)

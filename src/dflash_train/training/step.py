@@ -128,6 +128,7 @@ class DrafterStep:
 
     @torch.no_grad()
     def evaluate(self, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The same loss and metrics without backward: weights, .grad buffers and RNG streams are untouched."""
+        """The same loss and metrics without backward, plus each block's acceptance length (`accept_len` [A]):
+        weights, .grad buffers and RNG streams are untouched."""
         out = self._run(self._eval_loss, batch, feats)
-        return {k: out[k].detach().clone() for k in METRIC_KEYS}
+        return {k: out[k].detach().clone() for k in (*METRIC_KEYS, "accept_len")}

@@ -1,18 +1,24 @@
 """Validation during training: the drafter scored on held-out rows it never trains on, and the best drafter kept.
 
-  held-out conversations -> packed exactly like training rows (train.token_budget) -> anchors sampled ONCE (seeded)
+  held-out conversations -> packed exactly like training rows (train.token_budget)
+    -> EVERY valid anchor of each row, in blocks of train.num_anchors (fixed shapes: one compiled forward)
     -> target features computed once at start-up, kept on the validating device
-    -> every train.eval_every steps and at the end: DrafterStep.evaluate on each row (forward only, fixed shapes)
-    -> a `val` log line, metrics.jsonl / TensorBoard records, and the best drafter so far in <out_dir>/drafter_best
+    -> every train.eval_every steps and at the end: DrafterStep.evaluate on each block batch (forward only)
+    -> loss, acc@k, and two tau estimates -> a `val` log line, metrics.jsonl / TensorBoard, the best drafter so far
+       in <out_dir>/drafter_best
 
-Why: the training log's acc@k and tau estimate are measured on the rows being trained on; after a few epochs they
-report memorisation. The same estimate on fixed held-out blocks is what a drafter is worth on prompts it never saw,
-and fixed blocks make two validations comparable (the only thing that changes between them is the weights).
+The two estimates. `tau_est` averages the expected acceptance over every position as an anchor, as training's own
+estimate does. Decoding does not visit every position: a block starts where the previous one stopped, i.e. right
+after the drafter was wrong, and those positions are harder, so the every-position estimate runs above the measured
+tau (docs/BENCHMARKS.md, "The GPU demo"). `tau_decoding` walks the anchors as decoding does instead: from the first
+token of each assistant reply, accept what the drafter gets right from that anchor (the leading correct drafts plus
+the target's own token), jump there, repeat; the mean over a reply's steps, averaged over replies, is the
+evaluator's mean tau. When the held-out replies are the target's own greedy answers (data.regenerate) that walk is
+what speculative decoding on their prompts would do, so it predicts the measured tau; it picks drafter/.
 
-Cost: eval_rows forward passes (no backward, no optimizer) every eval_every steps: about
-eval_rows / (3 * eval_every) of the training compute, plus the memory of eval_rows rows of features.
-Validation touches no weight, no .grad buffer, no optimizer state and draws no random number: a run's trajectory is
-the same with and without it (tests/test_validation.py).
+Cost: (valid anchors of eval_rows rows) / num_anchors forward passes (no backward, no optimizer) every eval_every
+steps, plus the memory of eval_rows rows of features. Validation touches no weight, no .grad buffer, no optimizer
+state and draws no random number: a run's trajectory is the same with and without it (tests/test_validation.py).
 """
 
 from __future__ import annotations
@@ -28,40 +34,51 @@ from pathlib import Path
 
 import torch
 
-from ..data.packing import Sample, TrainBatch, make_batch, pack_samples
+from ..data.packing import PackedRow, Sample, TrainBatch, pack_samples
 from ..models.checkpoint import save_drafter
 from .metrics import StepWindow
+from .objective import valid_anchor_positions
 
 log = logging.getLogger("dflash_train")
 
-BEST_METRIC = "val_tau_est"  # the metric that picks drafter/: the expected acceptance length on held-out blocks
+BEST_METRIC = "val_tau_decoding"  # picks drafter/: the acceptance length decoding would reach on held-out replies
 BEST_DIR, LAST_DIR, BEST_FILE = "drafter_best", "drafter_last", "best.json"
-# Validation anchors use batch indices far past any training batch, so their seeded anchors never coincide.
-VAL_INDEX_BASE = 1 << 40
 PATIENCE = 3            # validations without a new best (while training's estimate rises) before the warning
 EPOCHS_WARN = 4.0       # more passes than this over the data: the start-up line warns of memorisation
 
 
 @dataclass
 class ValidationRows:
-    batches: list[TrainBatch]       # on the validating device
-    feats: list[torch.Tensor]       # [T, k*H] each, the target's features of each row, same device
+    rows: list[PackedRow]           # the held-out rows (on the validating device)
+    batches: list[TrainBatch]       # every valid anchor of every row, num_anchors at a time (same device)
+    row_of: list[int]               # batches[i] holds anchors of rows[row_of[i]]
+    feats: list[torch.Tensor]       # [T, k*H] per row: the target's features, same device
     documents: int                  # held-out conversations the rows hold
     tokens: int                     # real (non-padding) tokens in the rows
 
 
-def validation_batches(heldout: list[Sample], token_budget: int, num_anchors: int, seed: int,
-                       max_rows: int, pad_id: int = 0) -> list[TrainBatch]:
-    """Up to max_rows rows of held-out samples, packed in order like training rows, anchors fixed by (seed, row).
-    Rows without any valid anchor (nothing supervised) are skipped."""
-    batches = []
-    for i, row in enumerate(pack_samples(heldout, token_budget, pad_id)):
-        b = make_batch(row, num_anchors, seed, VAL_INDEX_BASE + i)
-        if bool(b.anchor_valid.any()):
-            batches.append(b)
-        if len(batches) >= max_rows:
+def validation_rows(heldout: list[Sample], token_budget: int, num_anchors: int,
+                    max_rows: int, pad_id: int = 0) -> tuple[list[PackedRow], list[TrainBatch], list[int]]:
+    """Up to max_rows rows of held-out samples, packed in order like training rows, and batches that hold every
+    valid anchor of each row in order, num_anchors per batch (the last one padded with invalid anchors). Rows
+    without any valid anchor (nothing supervised) are skipped."""
+    rows, batches, row_of = [], [], []
+    for row in pack_samples(heldout, token_budget, pad_id):
+        anchors = valid_anchor_positions(row.loss_mask, row.doc_ids).nonzero().flatten()
+        if anchors.numel() == 0:
+            continue
+        for s in range(0, anchors.numel(), num_anchors):
+            chunk = anchors[s:s + num_anchors]
+            a = torch.zeros(num_anchors, dtype=torch.long)
+            ok = torch.zeros(num_anchors, dtype=torch.bool)
+            a[:chunk.numel()], ok[:chunk.numel()] = chunk, True
+            batches.append(TrainBatch(row.input_ids, row.position_ids, row.doc_ids, row.loss_mask, a, ok,
+                                      index=-1 - len(rows)))
+            row_of.append(len(rows))
+        rows.append(row)
+        if len(rows) >= max_rows:
             break
-    return batches
+    return rows, batches, row_of
 
 
 @torch.no_grad()
@@ -74,35 +91,68 @@ def build_validation_rows(heldout: list[Sample], cfg, target, device: torch.devi
     if t.eval_every <= 0 or t.eval_rows <= 0:
         log.info("validation: off (train.eval_every or train.eval_rows is 0)")
         return None
-    batches = validation_batches(heldout, t.token_budget, t.num_anchors, t.seed, t.eval_rows, pad_id)
-    if not batches:
+    rows, batches, row_of = validation_rows(heldout, t.token_budget, t.num_anchors, t.eval_rows, pad_id)
+    if not rows:
         log.warning("validation: off, the run has no held-out conversations (raise data.heldout_fraction to "
                     "see how the drafter does on data it never trains on)")
         return None
     features = features or target.features
-    on_target = [b.to(target.device) for b in batches]
-    feats = [features(b.input_ids, b.position_ids, b.doc_ids).to(device) for b in on_target]
-    docs = sum(int(b.doc_ids.max()) + 1 for b in batches)
-    tokens = sum(int((b.doc_ids >= 0).sum()) for b in batches)
-    log.info(f"validation: {len(batches)} held-out rows ({docs} conversations, {tokens:,} tokens, "
-             f"{sum(int(b.anchor_valid.sum()) for b in batches):,} fixed blocks) every {t.eval_every} steps and at "
-             f"the end; forward only, ~{len(batches) / (3 * t.eval_every):.1%} of the training compute")
-    return ValidationRows([b.to(device) for b in batches], feats, docs, tokens)
+    feats = []
+    for row in rows:
+        r = [x.to(target.device) for x in (row.input_ids, row.position_ids, row.doc_ids)]
+        feats.append(features(*r).to(device))
+    docs = sum(int(r.doc_ids.max()) + 1 for r in rows)
+    tokens = sum(int((r.doc_ids >= 0).sum()) for r in rows)
+    anchors = sum(int(b.anchor_valid.sum()) for b in batches)
+    log.info(f"validation: {len(rows)} held-out rows ({docs} conversations, {tokens:,} tokens, every one of their "
+             f"{anchors:,} anchors: {len(batches)} forward passes) every {t.eval_every} steps and at the end; "
+             f"~{len(batches) / (3 * t.eval_every):.1%} of the training compute")
+    move = lambda x: x.to(device)  # noqa: E731
+    rows = [PackedRow(*map(move, (r.input_ids, r.position_ids, r.doc_ids, r.loss_mask))) for r in rows]
+    return ValidationRows(rows, [b.to(device) for b in batches], row_of, feats, docs, tokens)
 
 
-def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor]:
-    """The drafter's loss, acc@k and tau estimate over every validation row (summed counts: one estimate over all
-    the fixed blocks), as device tensors."""
+def decoding_tau(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch.Tensor) -> list[float]:
+    """Per assistant reply of one row: the mean acceptance length of decoding's walk over it. accept [T] (CPU, long):
+    what decoding accepts from an anchor at each position (0 where no block can start). A reply's walk starts at its
+    first token (the target's first generated token: the first block's anchor) and jumps by what each block
+    accepted, until it reaches a position where no block starts (the reply's last token, or past it)."""
+    T = loss_mask.shape[0]
+    mask, docs, acc = loss_mask.tolist(), doc_ids.tolist(), accept.tolist()
+    taus = []
+    for p in range(T):
+        if not mask[p] or (p > 0 and mask[p - 1] and docs[p - 1] == docs[p]):
+            continue  # not the first token of a reply
+        steps, a = [], p
+        while a < T and acc[a] > 0:
+            steps.append(acc[a])
+            a += acc[a]
+        if steps:
+            taus.append(sum(steps) / len(steps))
+    return taus
+
+
+def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor | float]:
+    """The drafter's loss, acc@k and every-position tau estimate over every validation anchor (summed counts, as a
+    log window sums steps), and `tau_decoding` (decoding's walk, decoding_tau; a float: it needs the host)."""
     window = StepWindow()
-    for batch, feats in zip(rows.batches, rows.feats):
-        window.add(step_fn.evaluate(batch, feats))
-    return window.take()
+    accept = [torch.zeros(r.input_ids.shape[0], dtype=torch.long) for r in rows.rows]
+    for batch, r in zip(rows.batches, rows.row_of):
+        out = step_fn.evaluate(batch, rows.feats[r])
+        window.add(out)
+        ok = batch.anchor_valid.cpu()
+        accept[r][batch.anchors.cpu()[ok]] = out["accept_len"].cpu()[ok]  # .cpu(): host sync (validation only)
+    metrics = window.take()
+    taus = [t for row, acc in zip(rows.rows, accept) for t in decoding_tau(row.loss_mask.cpu(), row.doc_ids.cpu(), acc)]
+    metrics["tau_decoding"] = sum(taus) / len(taus) if taus else float("nan")
+    return metrics
 
 
 class Validator:
     """Runs validation at its steps, logs it, keeps the best drafter and warns when the drafter starts memorising.
 
-    The best drafter (by val tau estimate, higher is better; ties keep the earlier step) is written to
+    The best drafter (by BEST_METRIC, decoding's walk over the held-out replies: higher is better, ties keep the
+    earlier step) is written to
     <out_dir>/drafter_best whenever a validation improves on it, with best.json beside it; a resumed run reads
     best.json back so the best-so-far survives resume. `finish` then makes drafter/ the best and drafter_last/ the
     final weights."""
@@ -127,7 +177,7 @@ class Validator:
         mid-run (the pipeline's recompile guard would stop the run)."""
         if self.enabled:
             for _ in range(2):
-                step_fn.evaluate(self.rows.batches[0], self.rows.feats[0])
+                step_fn.evaluate(self.rows.batches[0], self.rows.feats[self.rows.row_of[0]])
 
     def __call__(self, step: int, step_fn, drafter, train_tau: float | None = None) -> dict | None:
         """Validate at `step` (weights after `step` updates); returns the val record. Host-syncs (log steps only)."""
@@ -135,12 +185,13 @@ class Validator:
             return None
         t0 = time.perf_counter()
         metrics = evaluate_rows(step_fn, self.rows)
-        tau = float(metrics["tau_est"])
+        tau = float(metrics.pop("tau_decoding"))
         improved = self.best is None or tau > self.best["value"]
         if improved:
             self._save_best(step, tau, drafter)
         self.seconds += time.perf_counter() - t0
-        rec = self.logger.log_val(step, metrics, {"best_step": self.best["step"], "best_tau_est": self.best["value"],
+        rec = self.logger.log_val(step, metrics, {"tau_decoding": tau, "best_step": self.best["step"],
+                                                  "best_tau_decoding": self.best["value"],
                                                   "val_seconds": time.perf_counter() - t0})
         rec["train_tau_est"] = train_tau
         self.history.append(rec)
@@ -208,7 +259,7 @@ class Validator:
         if first is None or last is None or last <= first:
             return
         self._warned = True
-        log.warning(f"validation: the held-out tau estimate has not improved for {PATIENCE} validations (best "
+        log.warning(f"validation: the held-out tau has not improved for {PATIENCE} validations (best "
                     f"{self.best['value']:.2f} at step {self.best['step']}) while training's rose {first:.2f} -> "
                     f"{last:.2f}: the drafter is memorising its data. drafter/ keeps the best step; for a better "
                     "drafter add data (data.regenerate with data.self_prompts, more conversations) or lower "
