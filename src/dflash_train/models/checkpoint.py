@@ -1,9 +1,17 @@
-"""The servable drafter format (docs/DESIGN.md "The checkpoint contract"): config.json + model.safetensors.
+"""The servable drafter format (docs/DESIGN.md "The checkpoint contract", docs/SERVING.md).
 
-The weights are the drafter's own parameters under their own names (layers.{i}.self_attn.q_proj.weight, fc.weight,
-hidden_norm.weight, norm.weight, ...): no embedding, no LM head. config.json is a Qwen3 config sized like the
-drafter plus the DFlash fields SGLang, vLLM and transformers read. Saved in the parameters' dtype (fp32 master
-weights by default), so a reload is bit-exact; `dtype=torch.bfloat16` writes a smaller serving copy.
+  config.json          a Qwen3 config sized like the drafter plus the DFlash fields SGLang, vLLM and transformers
+                       read; torch_dtype / dtype name the weights' dtype; auto_map points AutoModel at the file below
+  model.safetensors    the drafter's own parameters under their own names (layers.{i}.self_attn.q_proj.weight,
+                       fc.weight, hidden_norm.weight, norm.weight, ...): no embedding, no LM head. bf16 by default
+                       (SERVE_DTYPE): an fp32 config would make SGLang's dtype rule run the drafter in fp16
+  modeling_dflash.py   a copy of models/hf_modeling_dflash.py: AutoModel.from_pretrained(dir, trust_remote_code=True)
+                       gives a drafter with a greedy, lossless spec_generate(target, ...)
+  serve.txt            the SGLang and vLLM commands for this drafter (serve_commands)
+
+What a reload into dflash-train is exact for: load_drafter gives back the bf16 values bit for bit. Training keeps
+fp32 master weights: a step checkpoint also holds them, unrounded, in training_weights.safetensors
+(save_training_weights), and resume loads those (training/checkpointing.py), so a resumed run is bit-exact.
 """
 
 from __future__ import annotations
@@ -11,6 +19,7 @@ from __future__ import annotations
 from ..errors import UserError
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -20,6 +29,11 @@ from .drafter import DFlashDrafter, DrafterConfig
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+TRAINING_WEIGHTS_NAME = "training_weights.safetensors"  # fp32 master weights, step checkpoints only
+MODELING_NAME = "modeling_dflash.py"
+SERVE_NAME = "serve.txt"
+SERVE_DTYPE = torch.bfloat16
+_MODELING_SOURCE = Path(__file__).with_name("hf_modeling_dflash.py")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -48,10 +62,14 @@ def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) 
         "tie_word_embeddings": False,
         "use_sliding_window": False,
         "layer_types": ["full_attention"] * cfg.num_hidden_layers,
-        "torch_dtype": _DTYPE_NAMES[dtype],
+        "torch_dtype": _DTYPE_NAMES[dtype],  # transformers < 5 and the engines read torch_dtype, transformers 5 dtype
+        "dtype": _DTYPE_NAMES[dtype],
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id},
+        # block_size again inside dflash_config: newer loaders read it there first
+        "dflash_config": {"target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id,
+                          "block_size": cfg.block_size},
+        "auto_map": {"AutoModel": f"{MODELING_NAME.removesuffix('.py')}.DFlashDraftModel"},
     }
     d.update(cfg.extra)
     return d
@@ -75,15 +93,39 @@ def drafter_config_from_json(d: dict, source: str = "config.json") -> DrafterCon
         raise CheckpointError(f"{source} is not a DFlash drafter config: missing key {e.args[0]!r}.") from None
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors into out_dir (created). Returns out_dir."""
+def serve_commands(cfg: DrafterConfig, drafter: str = "DRAFTER", target: str = "TARGET",
+                   dtype: torch.dtype = SERVE_DTYPE) -> str:
+    """The SGLang and vLLM commands that serve `drafter` (a directory) with `target`: two lines.
+    num_speculative_tokens is block_size - 1 (the drafted tokens of one block)."""
+    spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": cfg.block_size - 1})
+    d = _DTYPE_NAMES[dtype]
+    return (f"python -m sglang.launch_server --model-path {target} --dtype {d} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {drafter}\n"
+            f"vllm serve {target} --dtype {d} --speculative-config '{spec}'\n")
+
+
+def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = SERVE_DTYPE) -> Path:
+    """Write the servable drafter (module docstring) into out_dir (created), weights in `dtype`. Returns out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in drafter.state_dict().items()}
-    dtype = next(iter(state.values())).dtype
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(drafter_config_json(drafter.config, dtype), indent=2) + "\n")
+    shutil.copyfile(_MODELING_SOURCE, out / MODELING_NAME)
+    (out / SERVE_NAME).write_text(
+        f"# Serve this drafter ({_DTYPE_NAMES[dtype]} weights) with the target it was trained for "
+        f"({drafter.config.num_target_layers} layers, vocabulary {drafter.config.vocab_size}): replace TARGET with "
+        "the target's path and DRAFTER with this directory's.\n" + serve_commands(drafter.config, dtype=dtype))
     return out
+
+
+def save_training_weights(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
+    """The parameters in their own dtype (fp32 master weights), unrounded, as out_dir/training_weights.safetensors:
+    what resume loads (load_drafter(dir, weights=TRAINING_WEIGHTS_NAME)). Returns the file."""
+    path = Path(out_dir) / TRAINING_WEIGHTS_NAME
+    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+    save_file(state, str(path), metadata={"format": "pt"})
+    return path
 
 
 def load_drafter_config(path: str | Path) -> DrafterConfig:
@@ -98,10 +140,11 @@ def load_drafter_config(path: str | Path) -> DrafterConfig:
     return drafter_config_from_json(d, str(p))
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
-    """Rebuild a drafter from a servable directory; parameters come back in the saved dtype."""
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", weights: str = WEIGHTS_NAME) -> DFlashDrafter:
+    """Rebuild a drafter from a drafter directory; parameters come back in the saved dtype, bit for bit.
+    weights: the file to read, model.safetensors (the servable copy) or training_weights.safetensors (fp32)."""
     cfg = load_drafter_config(path)
-    w = Path(path) / WEIGHTS_NAME
+    w = Path(path) / weights
     if not w.is_file():
         raise CheckpointError(f"{w} does not exist; the drafter directory is incomplete.")
     state = load_file(str(w), device="cpu")
@@ -109,7 +152,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu") -> DFlash
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     drafter = drafter.to_empty(device="cpu").to(dtype)
-    drafter.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer: rebuild after to_empty
+    drafter.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer: rebuild (fp32) after to_empty
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise CheckpointError(f"{w} does not match its config.json: missing {missing[:3]}, unexpected "

@@ -1,6 +1,8 @@
 """Step checkpoints: a servable drafter plus the training state beside it, written atomically.
 
-  <out_dir>/checkpoints/step_00000100/   config.json, model.safetensors  (servable as-is)
+  <out_dir>/checkpoints/step_00000100/   config.json, model.safetensors, modeling_dflash.py, serve.txt
+                                                                        (servable as-is, bf16: models/checkpoint.py)
+                                         training_weights.safetensors   (the fp32 master weights, unrounded)
                                          training_state.pt              (optimizer, scheduler, step, RNG, data pos)
   <out_dir>/checkpoints/latest           the name of the newest complete checkpoint
   <out_dir>/checkpoints/best             JSON {name, step, metric, value, run_id}: the checkpoint mark_best named
@@ -8,8 +10,10 @@
 
 A checkpoint is written into a hidden temporary directory, its files fsynced, and renamed into place only when
 complete; `latest` is replaced atomically after that: a crash (or SIGKILL, or a full disk) mid-write can never make
-a half-written checkpoint `latest`. A failed write removes its temporary directory; a full disk is a CheckpointError
-(a UserError) naming the directory. On load, a checkpoint that fails validation is reported and the previous one used.
+a half-written checkpoint `latest`. Resume loads training_weights.safetensors (exact: the fp32 weights the optimizer
+state belongs to) and checks that the servable model.safetensors is their bf16 rounding. A failed write removes its
+temporary directory; a full disk is a CheckpointError (a UserError) naming the directory. On load, a checkpoint that
+fails validation is reported and the previous one used.
 
 Every training state carries the run id of the directory it was written in, and only a checkpoint of the directory's
 run id is ever resumed: a checkpoint copied in from another run, or left by one, is reported and skipped. Rotation
@@ -37,7 +41,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from ..models.checkpoint import CheckpointError, load_drafter, save_drafter
+from ..models.checkpoint import (TRAINING_WEIGHTS_NAME, WEIGHTS_NAME, CheckpointError, load_drafter, save_drafter,
+                                 save_training_weights)
 from ..models.drafter import DFlashDrafter
 
 log = logging.getLogger("dflash_train")
@@ -157,6 +162,7 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             save_drafter(drafter, tmp)
+            save_training_weights(drafter, tmp)
             if self.mid_write is not None:
                 self.mid_write()
             state = {"step": step, "data_position": data_position, "optimizer": optimizer.state_dict(),
@@ -255,11 +261,28 @@ class CheckpointManager:
                     log.warning(f"checkpoint {d} belongs to another run (run id {state.get('run_id')}, this run is "
                                 f"{self.run_id}); skipping it")
                     continue
-                drafter = load_drafter(d, device)
+                drafter = load_training_weights(d, device)
                 return drafter, state, d
             except Exception as e:  # noqa: BLE001 - report and fall back to the previous checkpoint
                 log.warning(f"checkpoint {d} failed to load ({type(e).__name__}: {e}); trying the previous one")
         return None
+
+
+def load_training_weights(d: Path, device="cpu") -> DFlashDrafter:
+    """The fp32 drafter a step checkpoint resumes from; CheckpointError if it has none or its servable copy is not
+    the rounding of those weights (a damaged or mixed-up checkpoint)."""
+    if not (d / TRAINING_WEIGHTS_NAME).is_file():
+        # Checkpoints written before the bf16 export kept the fp32 weights in model.safetensors itself.
+        drafter = load_drafter(d, device)
+        if drafter.fc.weight.dtype != torch.float32:
+            raise CheckpointError(f"{d} has no {TRAINING_WEIGHTS_NAME} (fp32 weights) to resume from exactly.")
+        return drafter
+    drafter = load_drafter(d, device, weights=TRAINING_WEIGHTS_NAME)
+    served = load_drafter(d, "cpu", weights=WEIGHTS_NAME).state_dict()
+    for k, v in drafter.state_dict().items():
+        if not torch.equal(served[k], v.detach().to("cpu", served[k].dtype)):
+            raise CheckpointError(f"{d / WEIGHTS_NAME} is not the rounding of {TRAINING_WEIGHTS_NAME} ({k} differs).")
+    return drafter
 
 
 def resume_point(resume: str, ckpt: CheckpointManager, fresh: DFlashDrafter) -> tuple[DFlashDrafter, dict | None]:
