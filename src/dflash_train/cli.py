@@ -9,8 +9,11 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from .errors import UserError
+
+log = logging.getLogger("dflash_train")
 
 
 def _setup_logging(verbose: bool = False) -> None:
@@ -27,10 +30,36 @@ def cmd_train(args) -> int:
         print(describe_config())
         return 0
     cfg = load_config(args.config, args.overrides)
+    check_paths(cfg)
+    if args.config is None:  # the defaults are a full run: say so before the first silent minute
+        log.info("train without --config: the defaults (%s drafter for %s on data.source=%s, devices %s, into %s); "
+                 "`dflash-train train --help-config` lists every key, `--config tiny_cpu` is a seconds-long CPU run",
+                 "single-loop" if args.single else "pipeline", cfg.model.target or "the embedded SmolLM2-135M",
+                 cfg.data.source, "+".join(dict.fromkeys(cfg.pipeline.target_devices + cfg.pipeline.drafter_devices)),
+                 cfg.run.out_dir)
     from .train import train
     result = train(cfg, single=args.single)
     print(f"drafter written to {result.drafter_dir}")
     return 0
+
+
+def check_paths(cfg) -> None:
+    """What a config names on this machine: the target, the data sources, drafter_init and the devices, checked
+    before any model loads so a wrong path costs no time (config.py checks values, not the machine: a program may
+    build a Config for files it writes later)."""
+    from .config import ConfigError
+    from .data.sources import check_source
+    from .models.target import resolve_target_path
+    from .pipeline.devices import resolve_pipeline_devices
+
+    resolve_target_path(cfg.model.target)
+    if cfg.model.drafter_init is not None and not Path(cfg.model.drafter_init).expanduser().is_dir():
+        raise ConfigError(f"model.drafter_init {cfg.model.drafter_init!r} is not a directory; point it at a saved "
+                          "drafter (a run's drafter/ or checkpoints/step_*/), or leave it empty.")
+    for source in [s for s, _ in cfg.data.mix_weights()] if cfg.data.mix else [cfg.data.source]:
+        if source != "synthetic":
+            check_source(source)
+    resolve_pipeline_devices(cfg.pipeline)
 
 
 def cmd_eval(args) -> int:

@@ -27,7 +27,7 @@ def _require(ok: bool, key: str, value: Any, want: str) -> None:
     """One range check: `ok` is written in positive form (`x > 0`), so a NaN fails it too; `want` completes
     "<key> must be ..." (e.g. "at least 1", "in [0, 1)")."""
     if not ok:
-        raise ConfigError(f"{key} must be {want} (got {value!r}).")
+        raise ConfigError(f"{key} is {value!r}; it must be {want}.")
 
 
 def _f(default: Any, help: str, **kw) -> Any:
@@ -136,6 +136,9 @@ class DataConfig:
         _require(self.heldout_max >= 0, "data.heldout_max", self.heldout_max, "0 (nothing held out) or more")
         _require(self.synthetic_period >= 1, "data.synthetic_period", self.synthetic_period, "at least 1")
         _require(self.synthetic_samples >= 1, "data.synthetic_samples", self.synthetic_samples, "at least 1")
+        if self.cache_dir is not None and Path(self.cache_dir).expanduser().is_file():
+            raise ConfigError(f"data.cache_dir {self.cache_dir!r} is a file, not a directory; choose another "
+                              "data.cache_dir.")
         if self.max_length < 2:
             raise ConfigError("data.max_length must be at least 2.")
         if self.regenerate and self.source == "synthetic":
@@ -328,6 +331,8 @@ class RunConfig:
             raise ConfigError(f"run.resume must be 'never' or 'auto' (got {self.resume!r}).")
         if not self.out_dir.strip():
             raise ConfigError("run.out_dir must name a directory, e.g. run.out_dir=runs/my_run.")
+        if Path(self.out_dir).expanduser().is_file():
+            raise ConfigError(f"run.out_dir {self.out_dir!r} is a file, not a directory; choose another run.out_dir.")
         if self.overwrite and self.resume == "auto":
             raise ConfigError("run.overwrite=true starts a new run and run.resume=auto continues the old one; pass "
                               "only one of them.")
@@ -386,14 +391,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         raise ConfigError(f"{key} must be an integer, got {value!r}.")
     if tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads '1e-2' (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads '1e-2' (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{key} must be a number, got {value!r}.")
+        if number is None:
+            raise ConfigError(f"{key} must be a number, got {value!r}.")
+        if not math.isfinite(number):  # a NaN passes every `x < bound` check after this: refuse it here
+            raise ConfigError(f"{key} must be a finite number, got {value!r}.")
+        return number
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
@@ -439,7 +449,13 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"Override key {key!r} must look like section.key, e.g. train.lr.")
-    value = yaml.safe_load(raw) if raw.strip() else None
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        fix = ("close its brackets (a list is [a, b], a mapping {k: v})" if raw.strip()[:1] in "[{"
+               else f"quote it, e.g. {key.strip()}=\"'{raw}'\"")
+        raise ConfigError(f"Override {key.strip()}={raw} is not a valid YAML value ({problem}); {fix}.") from None
     return parts, value
 
 

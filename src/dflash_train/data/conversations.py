@@ -22,11 +22,11 @@ from pathlib import Path
 
 import jinja2
 import numpy as np
-from tqdm import tqdm
 
 from ..config import DataConfig
 from .dataset import DatasetSplit
 from .packing import Sample
+from .progress import progress_bar
 from .sources import SOURCE_HINT, Conversation, DataError, iter_conversations, open_source
 
 __all__ = ["ChatEncoder", "DataError", "is_heldout", "load_chat_dataset"]
@@ -54,8 +54,10 @@ class ChatEncoder:
         except ValueError:
             self.template = None
         if not self.template:
-            raise DataError(f"Tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; use an "
-                            "instruct/chat model's tokenizer or set tokenizer.chat_template to a Jinja template.")
+            raise DataError(f"Tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template, so chat data "
+                            "cannot be rendered; use an instruct/chat model as model.target, add a \"chat_template\" "
+                            "to its tokenizer_config.json (or a chat_template.jinja file beside it), or train on "
+                            "data.source=synthetic.")
         if not getattr(tokenizer, "is_fast", False):
             raise DataError(f"Tokenizer {tokenizer.name_or_path!r} is not a fast (Rust) tokenizer, so assistant "
                             "tokens cannot be located; load the model's tokenizer.json (AutoTokenizer, use_fast=True).")
@@ -194,8 +196,8 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
     pending: list[tuple[Conversation, bool]] = []
     n_read, stopped_early = 0, False
 
-    with tqdm(total=None if cap[False] == math.inf else cap[False], desc="tokenizing chats", unit="conv",
-              disable=None, leave=False) as bar:  # disable=None: no bar when stderr is not a TTY
+    with progress_bar(total=None if cap[False] == math.inf else cap[False], desc="tokenizing chats", unit="conv",
+                      leave=False) as bar:  # plain lines when stderr is not a TTY
         def flush():
             results = encoder.encode([conv.messages for conv, _ in pending])
             for (conv, held), result in zip(pending, results):

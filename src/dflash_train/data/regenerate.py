@@ -53,6 +53,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import UserError
+from .progress import progress_bar
 from .sources import Conversation, DataError, iter_conversations, open_source
 
 log = logging.getLogger("dflash_train")
@@ -444,7 +445,7 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
     t0 = time.perf_counter()
     lock = threading.Lock()
     with open(out_path, "a", encoding="utf-8") as f, \
-            tqdm(total=total, desc="regenerating", unit="conv", disable=None, leave=False) as bar:
+            progress_bar(total=total, desc="regenerating", unit="conv", leave=False) as bar:  # lines off a TTY
         def todo():
             for rid, conv, flag in items:
                 if all(sample_id(rid, k, settings.samples) in done for k in range(settings.samples)):

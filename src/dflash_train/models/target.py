@@ -77,14 +77,43 @@ def _from_pretrained(cls, path: Path, **kw):
     return cls.from_pretrained(str(path), **kw)
 
 
+# Any one of these beside config.json is a tokenizer transformers can load (fast, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tokenizer.tiktoken")
+
+
 def load_tokenizer(target: str | None):
     from transformers import AutoTokenizer
 
     path = resolve_target_path(target)
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        # Checked first: transformers' own error for this case suggests installing sentencepiece or tiktoken.
+        raise TargetError(f"Target directory {str(path)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                          "copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) into it.")
     try:
         return _from_pretrained(AutoTokenizer, path)
     except Exception as e:  # noqa: BLE001 - rewrap into one sentence, keep the cause chained
-        raise TargetError(f"Could not load a tokenizer from {str(path)!r}: {e}") from e
+        raise TargetError(_gguf_damage(path) or f"Could not load a tokenizer from {str(path)!r}: {e}") from e
+
+
+def _gguf_damage(path: Path) -> str | None:
+    """Why a .gguf file cannot be read (a cut download or copy: its tensors run past the end of the file), or None.
+    Asked after a load failed, whose own error for this ("cannot reshape array of size ...") names no file."""
+    if not path.is_file():
+        return None
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)  # memory-mapped: builds views of the tensors, reads none of their data
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+        short = end > path.stat().st_size
+    except ImportError:
+        return None
+    except Exception:  # noqa: BLE001 - the header or a tensor view does not fit the file: it is damaged
+        short = True
+    if not short:
+        return None
+    return (f"GGUF file {str(path)!r} ({path.stat().st_size:,} bytes) is truncated or damaged: its tensors do not fit "
+            "in the file; download or copy it again.")
 
 
 def default_layer_ids(num_layers: int, k: int) -> list[int]:
@@ -301,7 +330,8 @@ def load_causal_lm(target: str | None, device: str | torch.device = "cpu", dtype
     except Exception as e:  # noqa: BLE001
         hint = ("; if transformers has no flex attention for this architecture, set model.target_attention=sdpa"
                 if attention == "flex" else "")
-        raise TargetError(f"Could not load a causal LM from {str(path)!r}: {type(e).__name__}: {e}{hint}") from e
+        raise TargetError(_gguf_damage(path)
+                          or f"Could not load a causal LM from {str(path)!r}: {type(e).__name__}: {e}{hint}") from e
     return hf.to(device).eval()
 
 
@@ -353,7 +383,7 @@ def target_config_info(target: str | None) -> TargetInfo:
     try:
         cfg = _from_pretrained(AutoConfig, path)
     except Exception as e:  # noqa: BLE001
-        raise TargetError(f"Could not read a model config from {str(path)!r}: {e}") from e
+        raise TargetError(_gguf_damage(path) or f"Could not read a model config from {str(path)!r}: {e}") from e
     return TargetInfo.from_config(cfg)
 
 
