@@ -210,6 +210,10 @@ class TrainConfig:
                                    "5 for B=10, 4 for B=8, else B/2.3.")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps. Empty = epochs.")
     epochs: float = _f(1.0, "Passes over the training rows when max_steps is empty.")
+    budget_steps_per_s: float | None = _f(None, "With max_minutes and no max_steps: the optimizer steps per second "
+                                                "this machine runs (read it off a step line: tokens/s / "
+                                                "token_budget); the LR schedule is then sized to end when the time "
+                                                "budget does, at most `epochs` passes over the data.")
     seed: int = _f(0, "Seed for initialisation, data order and anchors.")
     compile: str = _f("auto", "Drafter step compile mode: eager | default | reduce-overhead | auto "
                               "(reduce-overhead on CUDA, eager on CPU).")
@@ -220,12 +224,14 @@ class TrainConfig:
     checkpoint_every: int = _f(500, "Save a checkpoint every this many steps (0 = only at the end).")
     keep_checkpoints: int = _f(3, "Keep the newest K step checkpoints (at least 1), plus the one `latest` and the "
                                   "one `best` name.")
-    eval_every: int = _f(250, "Validate every this many steps and at the end: the drafter's loss, acc@k and tau "
-                              "estimate on fixed held-out rows (the run's held-out conversations, packed like "
-                              "training rows, anchors fixed once); drafter/ keeps the best step by that tau "
-                              "estimate, drafter_last/ the final one. 0 = off.")
-    eval_rows: int = _f(8, "Held-out rows (of token_budget tokens) each validation scores; its cost is about "
-                           "eval_rows / (3 * eval_every) of the training compute.")
+    eval_every: int = _f(500, "Validate every this many steps and at the end: the drafter's loss, acc@k and tau on "
+                              "fixed held-out rows (the run's held-out conversations, packed like training rows, "
+                              "every anchor scored), the tau both averaged over every position and walked as "
+                              "decoding walks it; drafter/ keeps the best step by the latter, drafter_last/ the "
+                              "final one. 0 = off.")
+    eval_rows: int = _f(8, "Held-out rows (of token_budget tokens) each validation scores: about eval_rows x "
+                           "(supervised tokens of a row / num_anchors) forward passes, i.e. a few percent of the "
+                           "training compute at eval_every=500 (the start-up line states it).")
     final_eval_prompts: int = _f(16, "After training, speculative decoding with the trained drafter on this many "
                                      "prompts (data.eval_prompts): the measured tau next to the estimates, in the "
                                      "log, metrics.jsonl and <out_dir>/eval_final/. 0 = off.")
@@ -271,6 +277,9 @@ class TrainConfig:
         if self.keep_checkpoints < 1:
             raise ConfigError(f"train.keep_checkpoints must be at least 1 (got {self.keep_checkpoints}): the newest "
                               "checkpoint is what a resume continues from.")
+        if self.budget_steps_per_s is not None:
+            _require(self.budget_steps_per_s > 0, "train.budget_steps_per_s", self.budget_steps_per_s,
+                     "positive (or empty)")
         if self.max_minutes is not None and not self.max_minutes > 0:
             raise ConfigError(f"train.max_minutes must be positive (got {self.max_minutes}); leave it empty for no "
                               "time limit.")

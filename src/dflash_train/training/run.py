@@ -63,10 +63,18 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     rows = BatchSchedule(data.train, cfg.train.token_budget, cfg.train.num_anchors, cfg.train.seed, 1, pad_id)
     rows_per_epoch = rows.rows_per_epoch
-    if cfg.train.max_steps:
-        total_steps = cfg.train.max_steps
+    t = cfg.train
+    if t.max_steps:
+        total_steps = t.max_steps
     else:
-        total_steps = max(1, int(cfg.train.epochs * rows_per_epoch) // batches_per_step)
+        total_steps = max(1, int(t.epochs * rows_per_epoch) // batches_per_step)
+        if t.max_minutes and t.budget_steps_per_s:  # the schedule ends when the time does, at most `epochs` passes
+            fit = max(1, int(60 * t.max_minutes * t.budget_steps_per_s))
+            if fit < total_steps:
+                log.info(f"schedule: {fit} steps fit train.max_minutes={t.max_minutes:g} at "
+                         f"train.budget_steps_per_s={t.budget_steps_per_s:g} ({total_steps} would make "
+                         f"train.epochs={t.epochs:g})")
+                total_steps = fit
     schedule = BatchSchedule(data.train, cfg.train.token_budget, cfg.train.num_anchors, cfg.train.seed,
                              total_steps * batches_per_step, pad_id)
     if cfg.model.drafter_init:
