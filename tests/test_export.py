@@ -264,3 +264,20 @@ def test_explicit_taps_that_no_engine_can_capture_are_refused(ids, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         resolve_layer_ids(load_config(None, [f"model.target_layer_ids={ids}"]).model, _info(4))
     assert str(e.value).count(". ") == 0 and "model.target_layer_ids" in str(e.value)
+
+
+def test_mask_token_text_is_exported_when_the_tokenizer_has_it(tiny_llama, tmp_path):
+    from tiny_chat import make_byte_tokenizer
+
+    from dflash_train.models.checkpoint import load_drafter_config
+
+    tok = make_byte_tokenizer()
+    cfg = load_config(None, [f"model.target={tiny_llama}", "model.mask_token_id=5", "model.target_layer_ids=[1]"])
+    out = save_drafter(build_drafter(cfg.model, target_config_info(tiny_llama), tok), tmp_path / "d")
+    dc = json.loads((out / "config.json").read_text())["dflash_config"]
+    assert dc["mask_token_id"] == 5 and dc["mask_token"] == tok.convert_ids_to_tokens(5)
+    again = save_drafter(load_drafter(out), tmp_path / "again")  # a reload keeps it for the next export
+    assert json.loads((again / "config.json").read_text())["dflash_config"] == dc
+    # Without a tokenizer there is no text to write: the field is left out.
+    out = save_drafter(build_drafter(cfg.model, target_config_info(tiny_llama)), tmp_path / "none")
+    assert "mask_token" not in json.loads((out / "config.json").read_text())["dflash_config"]

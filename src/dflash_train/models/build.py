@@ -75,6 +75,9 @@ def build_drafter(cfg: ModelConfig, info: TargetInfo, tokenizer=None) -> DFlashD
     mask_id = choose_mask_token_id(tokenizer, cfg.mask_token_id, info.vocab_size)
     dcfg = build_drafter_config(info, resolve_layer_ids(cfg, info), mask_id, cfg.block_size,
                                 cfg.num_draft_layers, cfg.intermediate_size)
+    mask_token = tokenizer.convert_ids_to_tokens(mask_id) if tokenizer is not None and mask_id < len(tokenizer) else None
+    if mask_token is not None:  # exported as dflash_config.mask_token (models/checkpoint.py)
+        dcfg.extra["mask_token"] = str(mask_token)
     return DFlashDrafter(dcfg)
 
 

@@ -71,7 +71,10 @@ def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) 
                           "block_size": cfg.block_size},
         "auto_map": {"AutoModel": f"{MODELING_NAME.removesuffix('.py')}.DFlashDraftModel"},
     }
-    d.update(cfg.extra)
+    extra = dict(cfg.extra)
+    if "mask_token" in extra:  # the mask token's text: engines that resolve the token by name read it here
+        d["dflash_config"]["mask_token"] = extra.pop("mask_token")
+    d.update(extra)
     return d
 
 
@@ -88,6 +91,7 @@ def drafter_config_from_json(d: dict, source: str = "config.json") -> DrafterCon
             block_size=d.get("block_size", 16), rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 1e6)),
             max_position_embeddings=d.get("max_position_embeddings", 32768),
+            extra={"mask_token": dc["mask_token"]} if "mask_token" in dc else {},
         )
     except KeyError as e:
         raise CheckpointError(f"{source} is not a DFlash drafter config: missing key {e.args[0]!r}.") from None
