@@ -263,3 +263,17 @@ def test_schedule_ends_with_the_time_budget_at_most_epochs(rate, want, tiny_llam
     by_epochs = 3 * setup.schedule.rows_per_epoch
     assert setup.total_steps == (want or by_epochs) and (want is None or want < by_epochs)
     assert setup.data_summary["epochs"] == pytest.approx(setup.total_steps / setup.schedule.rows_per_epoch)
+
+
+def test_a_best_step_with_a_checkpoint_survives_rotation(tiny_llama, tmp_path):
+    """When the best validation step has a checkpoint, that checkpoint is named `best`: rotation keeps it."""
+    from dflash_train.training.checkpointing import CheckpointManager
+
+    out = tmp_path / "run"
+    res = train_pipeline(tiny_cfg(tiny_llama, out, "train.max_steps=12", "train.eval_every=2",
+                                  "train.checkpoint_every=2", "train.keep_checkpoints=1", "train.lr=1e-2"))
+    ckpt = CheckpointManager(out)
+    best = ckpt.best()
+    assert best is not None and best["step"] == res.best["step"] and best["metric"] == res.best["metric"]
+    kept = {d.name for d in ckpt.step_dirs()}
+    assert best["name"] in kept and "step_00000012" in kept

@@ -183,6 +183,7 @@ class _Pipeline:
         final, best = self.run_setup.out_dir / "drafter", None
         if self.peers.is_rank0:
             self._save(d0)
+            self.validator.mark_checkpoint(self.ckpt, d0.steps_done)
             final, best = self.validator.finish(save_drafter(d0.drafter, final))
             write_training_plots(self.run_setup.out_dir, self.logger.history, self.logger.val_history)
             log.info(self.validator.summary(d0.steps_done, self.budget.elapsed_s))

@@ -71,6 +71,7 @@ class StepReporter:
         if self.checkpoint_every and step % self.checkpoint_every == 0 and step < self.total_steps:
             self.ckpt.save(step, worker.drafter, worker.optimizer, worker.scheduler,
                            data_position=step * self.batches_per_step)
+            self.validator.mark_checkpoint(self.ckpt, step)
 
     def on_end(self, worker) -> None:
         """After replica 0's last step (the last of the schedule, or a time-budget stop): validate it if not yet."""

@@ -90,9 +90,11 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
                 validator(step, step_fn, drafter, logger.history[-1]["tau_est"] if logger.history else None)
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
                 ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
+                validator.mark_checkpoint(ckpt, step)
             if stop:
                 break
         ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
+        validator.mark_checkpoint(ckpt, step)
         final, best = validator.finish(save_drafter(drafter, setup.out_dir / "drafter"))
     finally:
         logger.close()

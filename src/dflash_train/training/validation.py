@@ -226,6 +226,12 @@ class Validator:
         tmp_json.write_text(json.dumps(self.best) + "\n")
         os.replace(tmp_json, self.out_dir / BEST_FILE)
 
+    def mark_checkpoint(self, ckpt, step: int) -> None:
+        """After checkpoint `step` was saved: if it is the best step so far, name it `best` in the checkpoints, so
+        rotation keeps its training state too (resume or fine-tune from the best step)."""
+        if self.best is not None and self.best["step"] == step:
+            ckpt.mark_best(step, BEST_METRIC, self.best["value"])
+
     def finish(self, final_dir: Path) -> tuple[Path, dict | None]:
         """After the final weights are in final_dir (<out_dir>/drafter): keep them as drafter_last/ and make
         drafter/ the best by validation. Returns (drafter dir, best record or None)."""
