@@ -277,3 +277,4 @@ def test_a_best_step_with_a_checkpoint_survives_rotation(tiny_llama, tmp_path):
     assert best is not None and best["step"] == res.best["step"] and best["metric"] == res.best["metric"]
     kept = {d.name for d in ckpt.step_dirs()}
     assert best["name"] in kept and "step_00000012" in kept
+

@@ -8,6 +8,7 @@ the drafter never attend across documents, so a document's features are the same
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Callable, Iterable, Sequence
 
@@ -133,21 +134,35 @@ class BatchSchedule:
 
     def iter_from(self, start: int = 0, keep: Callable[[int], bool] | None = None) -> Iterable[TrainBatch]:
         """Batches `start`, `start + 1`, ...; with `keep`, only those whose index it accepts are built (a process's
-        shard of a multi-process run: rows are still packed per epoch, but anchors are sampled for its own only)."""
+        shard of a multi-process run: rows are still packed per epoch, but anchors are sampled for its own only).
+
+        The next epoch is shuffled and packed on a side thread while this one is consumed: packing a whole epoch
+        takes seconds for a large dataset, and done at the boundary it stalled every stage downstream for as long
+        (the queues between the stages hold a few steps). epoch_rows is a pure function of its arguments, so the
+        batches are the same either way."""
         index, epoch = 0, 0
-        while index < self.max_batches:
-            rows = epoch_rows(self.samples, self.token_budget, epoch, self.seed, self.pad_id)
-            if index + len(rows) <= start:  # whole epoch before the resume point: skip without building batches
-                index += len(rows)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-pack")
+        ahead = None  # the next epoch's rows, being packed
+        try:
+            while index < self.max_batches:
+                rows = ahead.result() if ahead is not None else self._epoch(epoch)
+                ahead = pool.submit(self._epoch, epoch + 1) if index + len(rows) < self.max_batches else None
+                if index + len(rows) <= start:  # whole epoch before the resume point: skip without building batches
+                    index += len(rows)
+                    epoch += 1
+                    continue
+                for row in rows:
+                    if index >= self.max_batches:
+                        return
+                    if index >= start and (keep is None or keep(index)):
+                        yield make_batch(row, self.num_anchors, self.seed, index, epoch)
+                    index += 1
                 epoch += 1
-                continue
-            for row in rows:
-                if index >= self.max_batches:
-                    return
-                if index >= start and (keep is None or keep(index)):
-                    yield make_batch(row, self.num_anchors, self.seed, index, epoch)
-                index += 1
-            epoch += 1
+        finally:  # an abandoned iterator (a stopped loader) does not wait for the epoch being packed
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _epoch(self, epoch: int) -> list[PackedRow]:
+        return epoch_rows(self.samples, self.token_budget, epoch, self.seed, self.pad_id)
 
     def __iter__(self):
         return iter(self.iter_from(0))
