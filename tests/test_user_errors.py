@@ -129,6 +129,24 @@ def test_prompt_file_not_utf8_names_the_true_byte(tmp_path, capsys):
     assert f"at byte {bad} (line 201)" in str(e.value) and "UTF-8" in str(e.value)
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["regenerate", "--data", "chats.jsonl", "--out", "adir.jsonl"], ["is a directory"]),
+    (["regenerate", "--data", "chats.jsonl", "--out", "o.jsonl", "--max-length", "1"], ["--max-length"]),
+    (["eval", "--drafter", "nope", "--out", "A_FILE"], ["--out", "is a file"]),
+    (["eval", "--drafter", "nope", "--out", "/proc/dflash-train-test/eval"], ["--out", "cannot be created"]),
+    (["eval", "--drafter", "nope", "--num-prompts", "0"], ["--num-prompts"]),
+])
+def test_regenerate_and_eval_arguments(argv, words, tmp_path, monkeypatch, capsys):
+    # Each is refused before a model loads (the drafter and target are never read): was a traceback, or minutes
+    # of decoding before the unwritable --out failed.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir.jsonl").mkdir()
+    (tmp_path / "A_FILE").write_text("x")
+    (tmp_path / "chats.jsonl").write_text("")
+    rc, lines = run_cli(argv, capsys)
+    assert_one_error(rc, lines, *words)
+
+
 # ------------------------------------------------------------------------- 6: misleading fixes
 
 def test_target_without_tokenizer(tiny_llama):

@@ -194,7 +194,11 @@ def check_settings(out_path: Path, settings: RegenerateSettings, replace: bool) 
                                 "pass another output path, or delete the file to start over.")
             log.warning(f"{out_path} was regenerated with other settings: starting over")
             out_path.unlink()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{out_path.parent} cannot be created ({e.strerror}); choose an output path you can write "
+                        "to.") from None
     meta.write_text(json.dumps(want, indent=2) + "\n")
 
 
@@ -625,6 +629,8 @@ def run_regenerate_cli(args) -> int:
         raise UserError("--max-samples must be at least 1.")
     if args.samples < 1:
         raise UserError("--samples must be at least 1.")
+    if args.max_length < 2:
+        raise UserError(f"--max-length must be at least 2 tokens (got {args.max_length}).")
     if args.samples > 1 and args.temperature <= 0:
         raise UserError(f"--samples {args.samples} needs --temperature > 0 (greedy answers are all the same), "
                         "e.g. --temperature 1.0.")
@@ -632,6 +638,8 @@ def run_regenerate_cli(args) -> int:
     out_path = Path(args.out)
     if out_path.suffix != ".jsonl":
         raise UserError(f"--out {args.out!r} must be a .jsonl file (one conversation per line).")
+    if out_path.is_dir():
+        raise UserError(f"--out {args.out!r} is a directory; name a .jsonl file, e.g. {args.out.rstrip('/')}/regen.jsonl.")
     if args.data == "synthetic":
         raise DataError("regenerate needs chat data: pass --data sharegpt or a .json/.jsonl chat file.")
     settings = RegenerateSettings(source=args.data, target=str(args.target or "smollm2"),

@@ -305,6 +305,16 @@ def run_eval_cli(args) -> int:
         raise UserError("--block-size must be at least 2 (the last token plus at least one drafted token).")
     if args.temperature < 0:
         raise UserError("--temperature must be 0 (greedy) or positive.")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise UserError("--num-prompts must be at least 1 (leave it out for every prompt).")
+    out_dir = Path(args.out or "runs/eval")
+    if out_dir.is_file():
+        raise UserError(f"--out {str(out_dir)!r} is a file; name a directory for eval.json and eval.png.")
+    try:  # before minutes of decoding, not after
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out {str(out_dir)!r} cannot be created ({e.strerror}); choose a directory you can "
+                        "write to.") from None
     dcfg = load_drafter_config(args.drafter)
     info = target_config_info(args.target)
     check_compatible(dcfg, info, args.drafter)
@@ -324,7 +334,6 @@ def run_eval_cli(args) -> int:
     report = evaluate(target, drafter, prompt_ids, args.max_new_tokens, args.temperature, args.block_size,
                       stop_ids=stop_token_ids(target.hf, tokenizer), categories=[p.category for p in prompts],
                       ids=[p.id for p in prompts])
-    out_dir = Path(args.out or "runs/eval")
     write_report(report, out_dir)
     print(format_summary(report))
     print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.png'}")
