@@ -187,6 +187,8 @@ class DFlashDraftModel(PreTrainedModel):
         return the acceptance length of every step (1..B; its mean is tau)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"spec_generate takes one prompt, input_ids of shape [1, P] (got {list(input_ids.shape)})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
         B = block_size or self.block_size
         if B < 2:
             raise ValueError("block_size must be at least 2 (the last token plus at least one drafted token)")
