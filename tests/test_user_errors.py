@@ -116,6 +116,36 @@ def test_out_dir_cannot_be_created(tmp_path, capsys, tiny_llama):
     assert_one_error(rc, lines, "run.out_dir")
 
 
+def test_config_file_not_utf8(tmp_path, capsys, no_training):
+    p = tmp_path / "run.yaml"
+    head = b"train:\n  lr: 1.0e-3  # caf"
+    p.write_bytes(head + b"\xe9\n")
+    rc, lines = run_cli(["train", "--config", str(p)], capsys)
+    assert_one_error(rc, lines, "not UTF-8", f"byte {len(head)})")
+
+
+def test_eval_prompt_file_is_read_before_training(tmp_path, capsys, no_training):
+    p = tmp_path / "prompts.jsonl"
+    p.write_bytes(b'{"prompt": "caf\xe9"}\n')      # was: read by the measurement after training
+    rc, lines = run_cli(["train", "--config", "tiny_cpu", f"data.eval_prompts={p}", "train.final_eval_prompts=2"],
+                        capsys)
+    assert_one_error(rc, lines, "Prompt file", "not UTF-8")
+
+
+def test_unwritable_cache_dir_is_a_warning(tmp_path, caplog):
+    from tiny_chat import make_byte_tokenizer, write_chats
+
+    from dflash_train.config import DataConfig
+    from dflash_train.data.conversations import load_chat_dataset
+
+    p = write_chats(tmp_path / "chats.jsonl", 4)
+    with caplog.at_level(logging.WARNING, logger="dflash_train"):
+        split = load_chat_dataset(DataConfig(source=str(p), heldout_fraction=0.0), make_byte_tokenizer(),
+                                  cache_dir="/proc/dflash-train-test/cache")   # was: FileNotFoundError traceback
+    assert len(split.train) == 4 and split.stats["cache"] == "unwritable"
+    assert "not cached" in caplog.text and "data.cache_dir" in caplog.text
+
+
 def test_prompt_file_not_utf8_names_the_true_byte(tmp_path, capsys):
     from dflash_train.inference.prompts import PromptError, read_prompt_file
 

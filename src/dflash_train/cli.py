@@ -49,6 +49,7 @@ def check_paths(cfg) -> None:
     build a Config for files it writes later)."""
     from .config import ConfigError
     from .data.sources import check_source
+    from .inference.prompts import read_prompt_file
     from .models.target import resolve_target_path
     from .pipeline.devices import resolve_pipeline_devices
 
@@ -59,6 +60,8 @@ def check_paths(cfg) -> None:
     for source in [s for s, _ in cfg.data.mix_weights()] if cfg.data.mix else [cfg.data.source]:
         if source != "synthetic":
             check_source(source)
+    if cfg.train.final_eval_prompts > 0 and cfg.data.eval_prompts not in ("heldout", "yardstick"):
+        read_prompt_file(cfg.data.eval_prompts)  # read after training: a bad file must fail now, not then
     resolve_pipeline_devices(cfg.pipeline)
 
 

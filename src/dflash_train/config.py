@@ -474,7 +474,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if path is not None:
         p = resolve_recipe(path)
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8-sig")) or {}
+        except UnicodeDecodeError as e:  # read whole, so e.start is the byte offset in the file
+            raise ConfigError(f"Config file {p} is not UTF-8 text ({e.reason} at byte {e.start}); re-encode it as "
+                              "UTF-8.") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"Config file {p} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(data, dict):

@@ -177,7 +177,12 @@ def load_chat_dataset(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str 
             split = _build_split(cfg, path, encoder, seed)
             split.stats["cache"] = "off" if cache_path is None else "miss"
             if cache_path is not None:
-                _save_cache(split, cache_path)
+                try:
+                    _save_cache(split, cache_path)
+                except OSError as e:  # the cache only saves time: a directory we cannot write costs a warning
+                    log.warning("tokenized data not cached: %s cannot be written (%s); set data.cache_dir to a "
+                                "directory you can write to", cache_path.parent, e.strerror)
+                    split.stats["cache"] = "unwritable"
     _log_summary(split.stats, time.perf_counter() - t0)
     return split
 
