@@ -32,3 +32,49 @@ def test_epochs_packed_ahead_give_the_batches_of_packing_in_place():
     it = iter(schedule.iter_from(0))
     next(it)
     it.close()  # the loader stopping mid-epoch: the side thread's epoch is dropped, nothing waits for it
+
+
+def _naive_pack(samples, budget, pad_id):
+    """Greedy packing written out per token: the reference for pack_samples' array slices."""
+    rows, cur = [], []
+    for ids, mask in samples:
+        ids, mask = ids[:budget], mask[:budget]
+        if not ids:
+            continue
+        if sum(len(c[0]) for c in cur) + len(ids) > budget:
+            rows.append(cur)
+            cur = []
+        cur.append((ids, mask))
+    if cur:
+        rows.append(cur)
+    out = []
+    for docs in rows:
+        t_ids, t_pos, t_doc, t_mask = [], [], [], []
+        for d, (ids, mask) in enumerate(docs):
+            t_ids += ids
+            t_pos += list(range(len(ids)))
+            t_doc += [d] * len(ids)
+            t_mask += mask
+        pad = budget - len(t_ids)
+        out.append((t_ids + [pad_id] * pad, t_pos + list(range(pad)), t_doc + [-1] * pad, t_mask + [False] * pad))
+    return out
+
+
+def test_pack_samples_equals_packing_token_by_token():
+    import random
+
+    from dflash_train.data.packing import Sample, pack_samples
+
+    rng = random.Random(7)
+    raw = []
+    for _ in range(200):
+        n = rng.choice([0, 1, 5, 40, 97, 130, 300])  # empty, tiny, and longer than the budget (truncated)
+        raw.append(([rng.randrange(1000) for _ in range(n)], [rng.random() < 0.6 for _ in range(n)]))
+    got = pack_samples([Sample(i, m) for i, m in raw], 128, pad_id=9)
+    want = _naive_pack(raw, 128, 9)
+    assert len(got) == len(want)
+    for row, (ids, pos, doc, mask) in zip(got, want):
+        assert row.input_ids.tolist() == ids and row.position_ids.tolist() == pos
+        assert row.doc_ids.tolist() == doc and row.loss_mask.tolist() == mask
+        assert row.input_ids.dtype == row.position_ids.dtype == row.doc_ids.dtype == torch.long
+        assert row.loss_mask.dtype == torch.bool
