@@ -238,14 +238,26 @@ def test_max_samples_zero(capsys, no_training):
 
 # ------------------------------------------------------------------------- 7: data lost quietly
 
-def test_jsonl_with_bom_keeps_its_first_record(tmp_path):
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_data_file_with_bom_keeps_its_first_record(tmp_path, suffix):
     from tiny_chat import write_chats
 
     p = write_chats(tmp_path / "chats.jsonl", 3)
+    if suffix == ".json":
+        p = tmp_path / "chats.json"
+        p.write_text(json.dumps([json.loads(line) for line in (tmp_path / "chats.jsonl").read_text().splitlines()]))
     p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes())
     counts = Counter()
     assert [c.key for c in iter_conversations(p, counts)] == ["chat0", "chat1", "chat2"]
     assert not counts
+
+
+def test_prompt_file_with_bom(tmp_path):
+    from dflash_train.inference.prompts import read_prompt_file
+
+    p = tmp_path / "prompts.jsonl"
+    p.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "one"}\n"two"\n')
+    assert [x.value for x in read_prompt_file(p)] == ["one", "two"]
 
 
 def test_data_file_not_utf8_names_the_true_byte(tmp_path):
@@ -273,6 +285,16 @@ def test_content_parts_read_the_same_by_train_and_eval(tmp_path):
     (prompt,) = read_prompt_file(p)                      # eval (was: refused, "string content")
     assert prompt.kind == "messages" and prompt.value == conv.messages[:2]
     assert conv.messages[1]["content"] == "Hi\nthere"
+
+
+def test_responses_api_parts_and_developer_role():
+    from dflash_train.data.sources import normalise_record
+
+    record = {"messages": [{"role": "developer", "content": "Be brief."},
+                           {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+                           {"role": "assistant", "content": [{"type": "output_text", "text": "Hello."}]}]}
+    conv = normalise_record(record, 0, Counter())
+    assert [m["role"] for m in conv.messages] == ["system", "user", "assistant"]
 
 
 def test_tool_call_conversations_counted_as_skipped(tmp_path, caplog):

@@ -3,7 +3,7 @@
 Every record becomes a `Conversation`: a stable key (for the train/held-out split) and a list of
 {"role": "system"|"user"|"assistant", "content": str} messages. Two record styles are accepted:
 ShareGPT (`conversations` of {"from", "value"}) and OpenAI (`messages` of {"role", "content"}, content a string or
-a list of {"type": "text", "text"} parts). Real chat dumps are messy, so a bad record is counted by reason and
+a list of {"type": "text" | "input_text" | "output_text", "text"} parts; role `developer` is the system turn). Real chat dumps are messy, so a bad record is counted by reason and
 skipped, never a crash; only a problem with the file as a whole (missing, wrong type, broken mid-file, not UTF-8)
 is an error. A conversation with tool calls (a `tool`/`function` turn, or an assistant turn with `tool_calls` /
 `function_call`) is skipped as `tool_calls`: its rendering depends on each template's tool syntax. Files may start
@@ -27,7 +27,7 @@ from ..errors import UserError
 SOURCE_HINT = "set data.source to 'sharegpt', 'synthetic' or a local .json/.jsonl chat file"
 
 ROLES = {
-    "system": "system",
+    "system": "system", "developer": "system",  # OpenAI's newer name for the system turn
     "human": "user", "user": "user",
     "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
 }
@@ -169,12 +169,15 @@ def read_turn(turn: Any) -> dict | str:
     return {"role": role, "content": content.strip()}
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions, and the responses API's two names
+
+
 def _text(content: Any) -> str | None:
     """A string, or OpenAI text parts joined by newlines; None for anything else (images, tool calls, null)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list) and content and all(
-            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            isinstance(p, dict) and p.get("type") in TEXT_PARTS and isinstance(p.get("text"), str) for p in content):
         return "\n".join(p["text"] for p in content)
     return None
 
