@@ -27,7 +27,8 @@ def test_training_ends_with_a_measured_tau_next_to_the_estimates(tiny_llama, tmp
     assert measured[0]["val_tau_est"] == result.best["value"] and "train_tau_est" in measured[0]
     assert measured[0]["verdict"].startswith("yes")  # fp32 on CPU: speculative output is the target's own
     assert (out / "eval_final" / "eval.json").is_file()
-    assert "measured tau" in (out / "run.log").read_text()
+    log = (out / "run.log").read_text()
+    assert "measured tau" in log and "serve the drafter" in log and '"num_speculative_tokens": 7' in log  # B=8
 
 
 def test_chat_run_measures_on_the_bundled_yardstick(tmp_path):

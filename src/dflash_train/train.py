@@ -1,5 +1,6 @@
 """`dflash-train train` as a library call: train (the threaded pipeline, or the single-device reference loop), then
-measure the drafter it wrote with speculative decoding on prompts it never trained on (inference/measure.py)."""
+measure the drafter it wrote with speculative decoding on prompts it never trained on (inference/measure.py), and
+say how to serve it."""
 
 from __future__ import annotations
 
@@ -15,16 +16,22 @@ log = logging.getLogger("dflash_train")
 def train(cfg: Config, single: bool = False):
     """-> TrainResult (PipelineResult for the pipeline) with `.measured` set to the EvalReport summary of the
     measurement after training (None when train.final_eval_prompts is 0, or on ranks other than 0)."""
+    from .models.checkpoint import load_drafter_config, serve_commands
     from .pipeline.coordinator import run_log_file, train_pipeline
     from .pipeline.devices import resolve_pipeline_devices
     from .training.trainer import train_single_device
 
     result = train_single_device(cfg) if single else train_pipeline(cfg)
-    if cfg.train.final_eval_prompts > 0 and int(os.environ.get("RANK", "0")) == 0:
-        from .inference.measure import measure_acceptance
+    if int(os.environ.get("RANK", "0")) != 0:
+        return result
+    with run_log_file(Path(result.out_dir)):  # appended to the run's log, after training's own lines
+        if cfg.train.final_eval_prompts > 0:
+            from .inference.measure import measure_acceptance
 
-        device = resolve_pipeline_devices(cfg.pipeline)[1][0]  # the first drafter device
-        with run_log_file(Path(result.out_dir)):
+            device = resolve_pipeline_devices(cfg.pipeline)[1][0]  # the first drafter device
             report = measure_acceptance(cfg, result.drafter_dir, device, result)
             result.measured = report.summary() if report is not None else None
+        target = cfg.model.target or "HuggingFaceTB/SmolLM2-135M-Instruct"  # the embedded default's hub name
+        commands = serve_commands(load_drafter_config(result.drafter_dir), str(result.drafter_dir), target)
+        log.info("serve the drafter:\n" + commands.rstrip())
     return result
