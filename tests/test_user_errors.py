@@ -236,6 +236,22 @@ def test_max_samples_zero(capsys, no_training):
     assert "format" not in assert_one_error(rc, lines, "data.max_samples")
 
 
+@pytest.mark.parametrize("overrides, words, not_words", [
+    ({"heldout_fraction": 0.99}, ["held-out side", "data.heldout_fraction"], ["format"]),
+    ({"max_length": 2}, ["data.max_length"], ["format"]),
+])
+def test_no_training_data_names_the_real_cause(tmp_path, overrides, words, not_words):
+    from tiny_chat import make_byte_tokenizer, write_chats
+
+    from dflash_train.config import DataConfig
+    from dflash_train.data.conversations import DataError, load_chat_dataset
+
+    p = write_chats(tmp_path / "chats.jsonl", 8)
+    with pytest.raises(DataError) as e:   # was: "check its format" for a well-formed file
+        load_chat_dataset(DataConfig(source=str(p), **overrides), make_byte_tokenizer())
+    assert all(w in str(e.value) for w in words) and not any(w in str(e.value) for w in not_words), str(e.value)
+
+
 # ------------------------------------------------------------------------- 7: data lost quietly
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])

@@ -235,9 +235,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
     if not train and n_read == 0 and not skipped:
         raise DataError(f"Data file {str(path)!r} holds no records; fill it with chat conversations or {SOURCE_HINT}.")
     if not train:
-        raise DataError(f"Data file {str(path)!r} gave no usable training conversations (skipped: "
-                        f"{skipped or 'none'}); check its format (ShareGPT 'conversations' or OpenAI 'messages' "
-                        f"records) or {SOURCE_HINT}.")
+        raise DataError(_no_training_data(cfg, path, n_read, skipped))
     stats = {
         "source": cfg.source, "path": str(path), "mask_rule": encoder.mask_rule,
         "conversations": n_read, "train": len(train), "heldout": len(heldout),
@@ -249,6 +247,26 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
     }
     return DatasetSplit(train=train, heldout=heldout, heldout_messages=[c.messages for c, _ in kept[True]],
                         stats=stats)
+
+
+def _no_training_data(cfg: DataConfig, path: Path, n_read: int, skipped: dict[str, int]) -> str:
+    """Why no conversation reached the training side, with the fix that applies (not always the file's format)."""
+    where = f"Data file {str(path)!r} gave no usable training conversations"
+    if not skipped:  # every conversation read went to the held-out side
+        return (f"{where}: all {n_read} conversations read fell on the held-out side (data.heldout_fraction="
+                f"{cfg.heldout_fraction}); lower data.heldout_fraction or use a larger file.")
+    top = max(skipped, key=skipped.get)
+    if top == "no_assistant_tokens_within_max_length":
+        return (f"{where} (skipped: {skipped}): no assistant answer starts within data.max_length={cfg.max_length} "
+                "tokens; raise data.max_length.")
+    if top == "tool_calls":
+        return (f"{where} (skipped: {skipped}): conversations with tool calls are not supported; use plain chat "
+                "conversations.")
+    if top in ("template_error", "assistant_content_not_in_template_output"):
+        return (f"{where} (skipped: {skipped}): the target's chat template refuses or rewrites these conversations; "
+                "use another chat template or data.source.")
+    return (f"{where} (skipped: {skipped}); check its format (ShareGPT 'conversations' or OpenAI 'messages' "
+            f"records) or {SOURCE_HINT}.")
 
 
 # ---------------------------------------------------------------------------------------------- cache
