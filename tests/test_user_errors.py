@@ -219,16 +219,30 @@ def _write_gguf(path: Path) -> bytes:
 
 
 def test_truncated_gguf_says_truncated(tmp_path):
-    from dflash_train.models.target import TargetError, _gguf_damage, load_causal_lm, load_tokenizer
+    from dflash_train.models.target import TargetError, _damaged_weights, load_causal_lm, load_tokenizer
 
     data = _write_gguf(tmp_path / "whole.gguf")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[: len(data) - 1000])
-    assert _gguf_damage(tmp_path / "whole.gguf") is None        # whole: its own load error stays what it is
+    assert _damaged_weights(tmp_path / "whole.gguf") is None        # whole: its own load error stays what it is
     for load in (load_tokenizer, load_causal_lm):
         with pytest.raises(TargetError) as e:
             load(str(cut))
         assert "truncated" in str(e.value) and "cannot reshape" not in str(e.value)
+
+
+def test_truncated_safetensors_says_truncated(tmp_path, tiny_llama):
+    import shutil
+
+    from dflash_train.models.target import TargetError, load_causal_lm
+
+    target = tmp_path / "cut"
+    shutil.copytree(tiny_llama, target)
+    weights = target / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(TargetError) as e:
+        load_causal_lm(str(target))
+    assert "model.safetensors" in str(e.value) and "truncated" in str(e.value)
 
 
 def test_max_samples_zero(capsys, no_training):

@@ -92,13 +92,23 @@ def load_tokenizer(target: str | None):
     try:
         return _from_pretrained(AutoTokenizer, path)
     except Exception as e:  # noqa: BLE001 - rewrap into one sentence, keep the cause chained
-        raise TargetError(_gguf_damage(path) or f"Could not load a tokenizer from {str(path)!r}: {e}") from e
+        raise TargetError(_damaged_weights(path) or f"Could not load a tokenizer from {str(path)!r}: {e}") from e
 
 
-def _gguf_damage(path: Path) -> str | None:
-    """Why a .gguf file cannot be read (a cut download or copy: its tensors run past the end of the file), or None.
-    Asked after a load failed, whose own error for this ("cannot reshape array of size ...") names no file."""
-    if not path.is_file():
+def _damaged_weights(path: Path) -> str | None:
+    """Why a .gguf file, or a directory's .safetensors weights, cannot be read (a cut download or copy), or None.
+    Asked after a load failed, whose own error for this ("cannot reshape array of size ...", "incomplete
+    metadata") names no file and no fix."""
+    if path.is_dir():
+        from safetensors import safe_open
+
+        for f in sorted(path.glob("*.safetensors")):
+            try:
+                with safe_open(str(f), "pt"):  # reads the header only; a cut file fails its length check
+                    pass
+            except Exception:  # noqa: BLE001 - any failure to open it is the answer
+                return (f"Weights file {str(f)!r} ({f.stat().st_size:,} bytes) is truncated or damaged; download or "
+                        "copy the model again.")
         return None
     try:
         from gguf import GGUFReader
@@ -330,7 +340,7 @@ def load_causal_lm(target: str | None, device: str | torch.device = "cpu", dtype
     except Exception as e:  # noqa: BLE001
         hint = ("; if transformers has no flex attention for this architecture, set model.target_attention=sdpa"
                 if attention == "flex" else "")
-        raise TargetError(_gguf_damage(path)
+        raise TargetError(_damaged_weights(path)
                           or f"Could not load a causal LM from {str(path)!r}: {type(e).__name__}: {e}{hint}") from e
     return hf.to(device).eval()
 
@@ -383,7 +393,7 @@ def target_config_info(target: str | None) -> TargetInfo:
     try:
         cfg = _from_pretrained(AutoConfig, path)
     except Exception as e:  # noqa: BLE001
-        raise TargetError(_gguf_damage(path) or f"Could not read a model config from {str(path)!r}: {e}") from e
+        raise TargetError(_damaged_weights(path) or f"Could not read a model config from {str(path)!r}: {e}") from e
     return TargetInfo.from_config(cfg)
 
 
