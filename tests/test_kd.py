@@ -17,7 +17,8 @@ from dflash_train.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.models.target import load_target
 from dflash_train.pipeline.coordinator import train_pipeline
 from dflash_train.pipeline.devices import cpu_threads_per_worker
-from dflash_train.training.objective import blockwise_ce, dflash_loss, draft_hidden, sample_anchors
+from dflash_train.data.packing import sample_anchors
+from dflash_train.training.objective import blockwise_ce, dflash_loss, draft_hidden
 from dflash_train.training.step import DrafterStep
 from dflash_train.training.trainer import train_single_device
 

@@ -7,11 +7,11 @@ import math
 import torch
 import torch.nn.functional as F
 
-from dflash_train.data.packing import Sample, make_batch, pack_samples
+from dflash_train.data.packing import Sample, make_batch, pack_samples, sample_anchors, valid_anchor_positions
 from dflash_train.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.training.objective import (acceptance_metrics, block_layout, default_gamma, dense_block_mask,
                                              dflash_loss, flex_attend, flex_block_mask, position_weights,
-                                             sample_anchors, sdpa_attend, valid_anchor_positions)
+                                             sdpa_attend)
 
 B = 4
 

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from dflash_train.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.training.flops import drafter_step_flops, visible_pairs
+from dflash_train.data.packing import sample_anchors
 from dflash_train.training.objective import (blockwise_ce, dense_block_mask, dflash_loss, flex_attend,
-                                             flex_block_mask, sample_anchors, sdpa_attend)
+                                             flex_block_mask, sdpa_attend)
 
 
 def packed_row(T: int, num_docs: int, seed: int):

@@ -16,7 +16,27 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 import torch
 
-from ..training.objective import sample_anchors
+
+
+def valid_anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """[T] bool: a is a valid anchor iff tokens a and a+1 are supervised and in the same document."""
+    ok = torch.zeros_like(loss_mask, dtype=torch.bool)
+    ok[:-1] = loss_mask[:-1] & loss_mask[1:] & (doc_ids[:-1] == doc_ids[1:])
+    return ok
+
+
+def sample_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, num_anchors: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample up to `num_anchors` distinct valid anchors (CPU, seeded) -> anchors [A] (sorted), valid [A].
+
+    Rows with fewer valid positions are padded with anchor 0 marked invalid, so A is always the same."""
+    candidates = valid_anchor_positions(loss_mask, doc_ids).nonzero().flatten()
+    n = min(num_anchors, candidates.numel())
+    pick = candidates[torch.randperm(candidates.numel(), generator=generator)[:n]].sort().values
+    anchors = torch.zeros(num_anchors, dtype=torch.long)
+    valid = torch.zeros(num_anchors, dtype=torch.bool)
+    anchors[:n], valid[:n] = pick, True
+    return anchors, valid
 
 
 @dataclass

@@ -34,10 +34,9 @@ from pathlib import Path
 
 import torch
 
-from ..data.packing import PackedRow, Sample, TrainBatch, pack_samples
+from ..data.packing import PackedRow, Sample, TrainBatch, pack_samples, valid_anchor_positions
 from ..models.checkpoint import save_drafter
 from .metrics import StepWindow
-from .objective import valid_anchor_positions
 
 log = logging.getLogger("dflash_train")
 
