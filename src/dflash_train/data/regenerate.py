@@ -54,6 +54,7 @@ from tqdm import tqdm
 
 from ..errors import UserError
 from .progress import progress_bar
+from .sidecar import check_settings_file
 from .sources import Conversation, DataError, iter_conversations, open_source
 
 log = logging.getLogger("dflash_train")
@@ -182,24 +183,8 @@ def read_done_ids(out_path: Path) -> set[str]:
 
 def check_settings(out_path: Path, settings: RegenerateSettings, replace: bool) -> None:
     """Refuse (or, with replace, start over) when out_path was written with other settings."""
-    meta = out_path.with_suffix(".meta.json")
-    want = settings.meta()
-    if out_path.is_file() and out_path.stat().st_size > 0:
-        have = json.loads(meta.read_text()) if meta.is_file() else None
-        if have != want:
-            if not replace:
-                diff = "unknown settings" if have is None else ", ".join(
-                    f"{k}={have.get(k)!r} (now {v!r})" for k, v in want.items() if have.get(k) != v)
-                raise UserError(f"{out_path} holds regenerated conversations made with other settings ({diff}); "
-                                "pass another output path, or delete the file to start over.")
-            log.warning(f"{out_path} was regenerated with other settings: starting over")
-            out_path.unlink()
-    try:
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"{out_path.parent} cannot be created ({e.strerror}); choose an output path you can write "
-                        "to.") from None
-    meta.write_text(json.dumps(want, indent=2) + "\n")
+    check_settings_file(out_path, settings.meta(), replace, "regenerated conversations",
+                        "pass another output path, or delete the file to start over")
 
 
 # ---------------------------------------------------------------------------------------------- generation

@@ -35,6 +35,7 @@ import jinja2
 import torch
 
 from ..data.conversations import special_token_ids
+from ..data.sidecar import check_settings_file
 from ..errors import UserError
 
 log = logging.getLogger("dflash_train")
@@ -166,20 +167,8 @@ def batch_generator(seed: int, batch: int, device) -> torch.Generator:
 
 
 def _check_settings(out_path: Path, settings: SelfPromptSettings, replace: bool) -> None:
-    meta = out_path.with_suffix(".meta.json")
-    want = dataclasses.asdict(settings)
-    if out_path.is_file() and out_path.stat().st_size > 0:
-        have = json.loads(meta.read_text()) if meta.is_file() else None
-        if have != want:
-            if not replace:
-                diff = "unknown settings" if have is None else ", ".join(
-                    f"{k}={have.get(k)!r} (now {v!r})" for k, v in want.items() if have.get(k) != v)
-                raise UserError(f"{out_path} holds self-written prompts made with other settings ({diff}); use "
-                                "another run.out_dir, delete the file, or pass run.overwrite=true to start over.")
-            log.warning(f"{out_path} was written with other settings: starting over")
-            out_path.unlink()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    meta.write_text(json.dumps(want, indent=2) + "\n")
+    check_settings_file(out_path, dataclasses.asdict(settings), replace, "self-written prompts",
+                        "use another run.out_dir, delete the file, or pass run.overwrite=true to start over")
 
 
 def _resume(out_path: Path, count: int) -> tuple[list[dict], int | None]:

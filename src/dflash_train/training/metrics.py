@@ -101,13 +101,7 @@ class MetricsLogger:
         log.info(line)
         self.history.append(rec)
         self._write(rec)
-        if self._tb:
-            self._tb.add_scalar("train/loss", rec["loss"], step)
-            self._tb.add_scalar("train/tau_est", rec["tau_est"], step)
-            self._tb.add_scalar("train/lr", lr, step)
-            self._tb.add_scalar("train/tokens_per_s", rec["tokens_per_s"], step)
-            for k, a in enumerate(acc, start=1):
-                self._tb.add_scalar(f"acc/pos{k:02d}", a, step)
+        self._scalars("train", "acc", rec, ("loss", "tau_est", "lr", "tokens_per_s"))
         return rec
 
     def log_val(self, step: int, metrics: dict[str, torch.Tensor], extra: dict | None = None) -> dict:
@@ -126,14 +120,18 @@ class MetricsLogger:
         log.info(line)
         self.val_history.append(rec)
         self._write(rec)
-        if self._tb:
-            self._tb.add_scalar("val/loss", rec["loss"], step)
-            self._tb.add_scalar("val/tau_est", rec["tau_est"], step)
-            if "tau_decoding" in rec:
-                self._tb.add_scalar("val/tau_decoding", rec["tau_decoding"], step)
-            for k, a in enumerate(acc, start=1):
-                self._tb.add_scalar(f"val_acc/pos{k:02d}", a, step)
+        self._scalars("val", "val_acc", rec, ("loss", "tau_est", "tau_decoding"))
         return rec
+
+    def _scalars(self, group: str, acc_group: str, rec: dict, keys: tuple[str, ...]) -> None:
+        """TensorBoard: rec's `keys` (those present) under group/, and acc@k per block position under acc_group/."""
+        if not self._tb:
+            return
+        for key in keys:
+            if key in rec:
+                self._tb.add_scalar(f"{group}/{key}", rec[key], rec["step"])
+        for k, a in enumerate(rec["acc"], start=1):
+            self._tb.add_scalar(f"{acc_group}/pos{k:02d}", a, rec["step"])
 
     def log_record(self, rec: dict) -> None:
         """Any other record for metrics.jsonl (e.g. the measured acceptance after training)."""
