@@ -2,7 +2,8 @@
 # Recipe variants at the same data and budget on one H200, after the GPU demo (benchmarks/gpu_demo.sh) left its
 # regenerated data in $S/runs/demo-data/ on the warm machine. Each variant trains from scratch on that data for
 # TRAIN_MIN minutes (schedule sized to it), then speculative decoding on the bundled yardstick prompts (another
-# source: 80 x 256 tokens) and on 32 held-out ShareGPT prompts; one line per variant goes to $OUT/variants.txt.
+# source: 80 x 256 tokens); one line per variant (measured tau, speedup, verdict, the validation's best) goes to
+# $OUT/variants.txt.
 # Start it in its own session and poll (each device call is at most 10 minutes):
 #   setsid nohup bash benchmarks/gpu_variants.sh ce kd50 > /tmp/dflash/variants.log 2>&1 < /dev/null &
 # Variants: ce (the demo's recipe), kd50 (train.kd_weight=0.5), kd100 (kd_weight=1), deep (8 draft layers),
