@@ -7,7 +7,8 @@
 #            after training (reduce-overhead steps in worker threads, flex target as a CUDA graph), and the
 #            `generate` benchmark (continuous batching vs static batches, SmolLM2 shape, random weights)
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
-#   poll     the demo log's last lines
+#   poll     the demo log's last lines (issue the next call at once: a machine idle for 30 s is given back, and
+#            the demo with it)
 #   collect  the demo's table, logs, metrics and eval reports into $OUT
 # The GGUF halves: `split -n 2 -d SmolLM2-135M-Instruct.Q4_1.gguf` into .gpu/a and .gpu/b (git-ignored).
 set -u
@@ -46,9 +47,10 @@ start() {
   cat $S/ggufpart00 .gpu/b/ggufpart01 > $GGUF && md5sum $GGUF
   # The working tree is laid anew at every call: the demo runs from its own copy of the source.
   rm -rf $S/src && cp -r src $S/src
-  cd /tmp && setsid nohup env PYTHONPATH=/tmp/site:$S/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+  # In a subshell: the call returns at once (a background job of this shell kept the call's output pipe open).
+  (cd /tmp && setsid nohup env PYTHONPATH=/tmp/site:$S/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
       python3 -m dflash_train.cli demo --device cuda --out $S/runs/demo model.target=$GGUF \
-      data.source=$S/data/train_chats.jsonl ${DEMO_ARGS:-} > $S/demo.log 2>&1 < /dev/null &
+      data.source=$S/data/train_chats.jsonl ${DEMO_ARGS:-} > $S/demo.log 2>&1 < /dev/null &)
   sleep 45; grep -v -E "it/s\]|s/it\]" $S/demo.log | tail -8
 }
 
