@@ -87,9 +87,10 @@ def test_out_of_range_numbers_are_one_line(overrides, key, capsys, no_training):
 
 
 def test_recipes_still_load():
-    for name in ("tiny_cpu", "smollm2_demo", "smollm2_gpu", "smollm2_gpu2"):
-        load_config(name)
-    load_config(None)
+    """The new range and relation checks accept every bundled recipe (a refusal raises ConfigError here)."""
+    for name in ("tiny_cpu", "smollm2_demo", "smollm2_gpu", "smollm2_gpu2", None):
+        cfg = load_config(name)
+        assert cfg.train.num_anchors < cfg.train.token_budget and cfg.model.block_size <= cfg.train.token_budget
 
 
 # ------------------------------------------------------------------------- 5: tracebacks for user mistakes
