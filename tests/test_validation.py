@@ -81,7 +81,7 @@ def test_validation_metrics_equal_a_direct_computation(tiny_llama, tmp_path):
             out = dflash_loss(drafter, target.embed_tokens.weight, target.lm_head.weight, rows.feats[r],
                               row.input_ids, row.position_ids, row.doc_ids, row.loss_mask, anchors,
                               torch.ones_like(anchors, dtype=torch.bool), block_size=B, gamma=default_gamma(B))
-            accept = dict(zip(anchors.tolist(), out["accept_len"].tolist()))
+            accept = dict(zip(anchors.tolist(), out["accept_len"].long().tolist()))
             taus += _walk(row.loss_mask.tolist(), row.doc_ids.tolist(), accept)
     want = acceptance_from_counts(torch.stack(counts).sum(0))
     torch.testing.assert_close(got["loss"], torch.stack(losses).mean())

@@ -409,5 +409,6 @@ def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Ten
     out["num_labels"] = lay.valid.sum()
     # Per block: what decoding would accept from this anchor (the leading right drafts, plus the target's own
     # token): validation walks these from anchor to anchor as decoding does (training/validation.py).
-    out["accept_len"] = 1 + torch.cumprod((correct & lay.valid).long(), dim=1).sum(1)    # [A]
+    # float, like acceptance_metrics' own cumprod: the scan inductor already compiles in the training step
+    out["accept_len"] = 1 + torch.cumprod((correct & lay.valid).float(), dim=1).sum(1)   # [A]
     return out

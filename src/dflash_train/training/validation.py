@@ -140,7 +140,7 @@ def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor | flo
         out = step_fn.evaluate(batch, rows.feats[r])
         window.add(out)
         ok = batch.anchor_valid.cpu()
-        accept[r][batch.anchors.cpu()[ok]] = out["accept_len"].cpu()[ok]  # .cpu(): host sync (validation only)
+        accept[r][batch.anchors.cpu()[ok]] = out["accept_len"].cpu()[ok].long()  # .cpu(): a host sync, here only
     metrics = window.take()
     taus = [t for row, acc in zip(rows.rows, accept) for t in decoding_tau(row.loss_mask.cpu(), row.doc_ids.cpu(), acc)]
     metrics["tau_decoding"] = sum(taus) / len(taus) if taus else float("nan")
