@@ -539,11 +539,10 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
 
     def items():
         # Held-out conversations first: a time limit must never leave validation without its rows.
-        held_first = sorted(iter_source_records(d.source, counts),
-                            key=lambda rc: not is_heldout(rc[1].key, cfg.train.seed, d.heldout_fraction))
+        records = [(rid, conv, is_heldout(conv.key, cfg.train.seed, d.heldout_fraction))
+                   for rid, conv in iter_source_records(d.source, counts)]
         taken = {False: 0, True: 0}
-        for rid, conv in held_first:
-            held = is_heldout(conv.key, cfg.train.seed, d.heldout_fraction)
+        for rid, conv, held in sorted(records, key=lambda r: not r[2]):  # stable: file order within each side
             if cap[held] is None or taken[held] < cap[held]:
                 taken[held] += 1
                 yield rid, conv, True

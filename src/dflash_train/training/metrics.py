@@ -133,10 +133,6 @@ class MetricsLogger:
         for k, a in enumerate(rec["acc"], start=1):
             self._tb.add_scalar(f"{acc_group}/pos{k:02d}", a, rec["step"])
 
-    def log_record(self, rec: dict) -> None:
-        """Any other record for metrics.jsonl (e.g. the measured acceptance after training)."""
-        self._write(rec)
-
     def _write(self, rec: dict) -> None:
         if self._jsonl:
             self._jsonl.write(json.dumps(rec) + "\n")

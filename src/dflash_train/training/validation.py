@@ -191,8 +191,8 @@ class Validator:
         self.seconds += time.perf_counter() - t0
         rec = self.logger.log_val(step, metrics, {"tau_decoding": tau, "best_step": self.best["step"],
                                                   "best_tau_decoding": self.best["value"],
-                                                  "val_seconds": time.perf_counter() - t0})
-        rec["train_tau_est"] = train_tau
+                                                  "val_seconds": time.perf_counter() - t0,
+                                                  "train_tau_est": train_tau})
         self.history.append(rec)
         self._check_memorising()
         return rec
