@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The README's GPU demo on one H200 (torch 2.11, no network, at most 64 MiB carried and 10 minutes per call),
 # run from the repo root in back-to-back device calls on one warm machine:
-#   check    carry .gpu/a .gpu/data .gpu/whl: stage the first half of the GGUF, the ShareGPT chats (replies blanked,
-#            written here by `PYTHONPATH=src python3 benchmarks/gpu_data.py`) and the gguf wheel under /tmp;
-#            then the GPU checks that need no real weights: a tiny pipeline with validation and the measurement
+#   stage    carry .gpu/a .gpu/data .gpu/whl: stage the first half of the GGUF, the ShareGPT chats (replies blanked,
+#            written here by `PYTHONPATH=src python3 benchmarks/gpu_data.py`) and the gguf wheel under /tmp
+#   check    stage, then the GPU checks that need no real weights: a tiny pipeline with validation and the measurement
 #            after training (reduce-overhead steps in worker threads, flex target as a CUDA graph), and the
 #            `generate` benchmark (continuous batching vs static batches, SmolLM2 shape, random weights)
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
+#   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)
 #   poll     the demo log's last lines (issue the next call at once: a machine idle for 30 s is given back, and
 #            the demo with it)
+#   vpoll / vcollect   the same for the variants (their files: variants.txt, metrics_<variant>.jsonl, the
+#            regenerated data gzipped)
 #   collect  the demo's table, logs, metrics and eval reports into $OUT
 # The GGUF halves: `split -n 2 -d SmolLM2-135M-Instruct.Q4_1.gguf` into .gpu/a and .gpu/b (git-ignored).
 set -u
@@ -16,15 +19,19 @@ export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 S=/tmp/dflash
 OUT=${OUT:-/tmp/out}
 GGUF=$S/SmolLM2-135M-Instruct.Q4_1.gguf
-stage() { echo; echo "=== $1 ($(date +%T))"; }
+banner() { echo; echo "=== $1 ($(date +%T))"; }
 
-check() {
-  stage "staging"
+stage() {
+  banner "staging"
   mkdir -p $S/data && cp .gpu/a/ggufpart00 $S/
   gunzip -c .gpu/data/train_chats.jsonl.gz > $S/data/train_chats.jsonl
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-  stage "tiny pipeline on the GPU: validation + measurement after training, reduce-overhead in worker threads"
+}
+
+check() {
+  stage
+  banner "tiny pipeline on the GPU: validation + measurement after training, reduce-overhead in worker threads"
   python3 - <<'EOF'
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -38,15 +45,27 @@ EOF
       train.compile=reduce-overhead train.attention=flex train.dtype=bf16 model.target_attention=flex \
       model.target_graphs=true data.heldout_fraction=0.1 train.max_steps=60 train.eval_every=20 \
       train.final_eval_prompts=4 train.final_eval_new_tokens=32 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
-  stage "generate benchmark: continuous batching vs static batches (SmolLM2 shape, random weights)"
+  banner "generate benchmark: continuous batching vs static batches (SmolLM2 shape, random weights)"
   timeout 240 python3 benchmarks/bench.py --only generate --budget-s 200 2>&1 | tail -22
 }
 
-start() {
-  stage "start the demo"
+join() {
   cat $S/ggufpart00 .gpu/b/ggufpart01 > $GGUF && md5sum $GGUF
-  # The working tree is laid anew at every call: the demo runs from its own copy of the source.
-  rm -rf $S/src && cp -r src $S/src
+  # The working tree is laid anew at every call: the jobs run from their own copy of the source.
+  rm -rf $S/src $S/benchmarks && cp -r src $S/src && cp -r benchmarks $S/benchmarks
+}
+
+variants() {
+  banner "start the variants: regen ${VARIANTS:-ce kd50 kd100}"
+  join
+  (cd /tmp && setsid nohup env PARALLEL=${PARALLEL:-1} TRAIN_MIN=${TRAIN_MIN:-7} STEPS_PER_S=${STEPS_PER_S:-29} bash $S/benchmarks/gpu_variants.sh \
+      regen ${VARIANTS:-ce kd50 kd100} > $S/variants.log 2>&1 < /dev/null &)
+  sleep 45; tail -5 $S/variants.log
+}
+
+start() {
+  banner "start the demo"
+  join
   # In a subshell: the call returns at once (a background job of this shell kept the call's output pipe open).
   (cd /tmp && setsid nohup env PYTHONPATH=/tmp/site:$S/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
       python3 -m dflash_train.cli demo --device cuda --out $S/runs/demo model.target=$GGUF \
@@ -58,6 +77,18 @@ poll() {
   sleep "${POLL_S:-500}"
   grep -v -E "it/s\]|s/it\]" $S/demo.log | grep -v "^.*step .*tok/s" | tail -12
   grep -E "^.* step " $S/demo.log | tail -3
+}
+
+vpoll() {
+  sleep "${POLL_S:-500}"
+  tail -4 $S/variants.log
+  for f in $S/variant_*.log; do echo "-- $f"; grep -E " step |val " $f | tail -2; done 2>/dev/null
+}
+
+vcollect() {
+  mkdir -p "$OUT"
+  cp $S/variants.log $S/out/* "$OUT/" 2>/dev/null
+  cat $S/out/variants.txt 2>/dev/null
 }
 
 collect() {
