@@ -56,6 +56,13 @@ class ModelConfig:
                                        "BlockMask that skips empty tiles; exact, and faster "
                                        "on GPUs) | auto (flex on CUDA, sdpa on CPU). Evaluation and regeneration "
                                        "always use sdpa.")
+    architecture: str = _f("dflash", "Drafter architecture: dflash (DFlash v1) | dflash2 (DFlash 2: causal dynamic "
+                                     "convolutions around attention and MLP, and a candidate selector that re-ranks "
+                                     "the LM head's top-k drafts left to right; docs/DESIGN.md 'DFlash 2').")
+    conv_kernel_size: int = _f(2, "dflash2: taps of each block-causal convolution (at most model.block_size).")
+    conv_group_size: int = _f(16, "dflash2: channels sharing one dynamic kernel weight; must divide the hidden size.")
+    selector_top_k: int = _f(16, "dflash2: LM-head candidates the selector re-ranks at each block position.")
+    selector_rank: int = _f(256, "dflash2: rank of the selector's predecessor / successor codebooks.")
     target_graphs: bool = _f(False, "Capture the target's feature forward of a token_budget row as one CUDA graph and "
                                     "replay it: a target step becomes one launch instead of a Python forward (small "
                                     "targets, whose forward is bound by Python launch overhead; several target "
@@ -65,6 +72,12 @@ class ModelConfig:
         if self.target_attention not in ("sdpa", "flex", "auto"):
             raise ConfigError("model.target_attention must be one of sdpa, flex, auto "
                               f"(got {self.target_attention!r}).")
+        if self.architecture not in ("dflash", "dflash2"):
+            raise ConfigError(f"model.architecture must be dflash or dflash2 (got {self.architecture!r}).")
+        for key in ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank"):
+            _require(getattr(self, key) >= 1, f"model.{key}", getattr(self, key), "at least 1")
+        _require(self.conv_kernel_size <= self.block_size, "model.conv_kernel_size", self.conv_kernel_size,
+                 f"at most model.block_size ({self.block_size}): a tap reads within the block")
         if self.block_size < 2:
             raise ConfigError(f"model.block_size must be at least 2 (got {self.block_size}): a block is the "
                               "anchor token plus at least one drafted token.")

@@ -8,6 +8,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from .drafter import DFlashDrafter, build_drafter_config
+from .drafter2 import DFlash2Drafter, Drafter2Config
 from .target import TargetInfo, default_layer_ids
 
 log = logging.getLogger("dflash_train")
@@ -78,7 +79,22 @@ def build_drafter(cfg: ModelConfig, info: TargetInfo, tokenizer=None) -> DFlashD
     mask_token = tokenizer.convert_ids_to_tokens(mask_id) if tokenizer is not None and mask_id < len(tokenizer) else None
     if mask_token is not None:  # exported as dflash_config.mask_token (models/checkpoint.py)
         dcfg.extra["mask_token"] = str(mask_token)
+    if cfg.architecture == "dflash2":
+        return DFlash2Drafter(dflash2_config(cfg, dcfg))
     return DFlashDrafter(dcfg)
+
+
+def dflash2_config(cfg: ModelConfig, dcfg) -> Drafter2Config:
+    """The DFlash drafter's sizes plus DFlash 2's, checked against the target's."""
+    if dcfg.hidden_size % cfg.conv_group_size:
+        raise ConfigError(f"model.conv_group_size {cfg.conv_group_size} does not divide the target's hidden size "
+                          f"{dcfg.hidden_size}; pick a divisor of it (16 divides most).")
+    if cfg.selector_top_k > dcfg.vocab_size:
+        raise ConfigError(f"model.selector_top_k {cfg.selector_top_k} exceeds the target vocabulary "
+                          f"({dcfg.vocab_size}); pick at most that many candidates.")
+    return Drafter2Config(**dcfg.to_dict(), conv_kernel_size=cfg.conv_kernel_size,
+                          conv_group_size=cfg.conv_group_size, selector_top_k=cfg.selector_top_k,
+                          selector_rank=cfg.selector_rank)
 
 
 @torch.no_grad()

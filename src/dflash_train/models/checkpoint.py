@@ -8,6 +8,9 @@
   modeling_dflash.py   a copy of models/hf_modeling_dflash.py: AutoModel.from_pretrained(dir, trust_remote_code=True)
                        gives a drafter with a greedy, lossless spec_generate(target, ...)
   serve.txt            the SGLang and vLLM commands for this drafter (serve_commands)
+A DFlash 2 drafter (models/drafter2.py) is written the same way with "architectures": ["DFlash2DraftModel"], its
+sizes in dflash_config (conv_kernel_size, conv_group_size, selector_top_k, selector_rank), "is_causal": false, the
+convolution and selector weights under the reference's names, and no modeling_dflash.py (it implements v1 only).
 
 What a reload into dflash-train is exact for: load_drafter gives back the bf16 values bit for bit. Training keeps
 fp32 master weights: a step checkpoint also holds them, unrounded, in training_weights.safetensors
@@ -26,6 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .drafter import DFlashDrafter, DrafterConfig
+from .drafter2 import DFlash2Drafter, Drafter2Config
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -35,6 +39,7 @@ SERVE_NAME = "serve.txt"
 SERVE_DTYPE = torch.bfloat16
 _MODELING_SOURCE = Path(__file__).with_name("hf_modeling_dflash.py")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
 
 
 class CheckpointError(UserError):
@@ -71,6 +76,11 @@ def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) 
                           "block_size": cfg.block_size},
         "auto_map": {"AutoModel": f"{MODELING_NAME.removesuffix('.py')}.DFlashDraftModel"},
     }
+    if isinstance(cfg, Drafter2Config):  # what DFlash2DraftModel reads (dflash_config first, top-level fallback)
+        d["architectures"] = ["DFlash2DraftModel"]
+        d["is_causal"] = False  # explicit: bidirectional within the block, as the training mask
+        d["dflash_config"] |= {k: getattr(cfg, k) for k in _DFLASH2_KEYS}
+        del d["auto_map"]  # modeling_dflash.py implements DFlash v1 only
     extra = dict(cfg.extra)
     if "mask_token" in extra:  # the mask token's text: engines that resolve the token by name read it here
         d["dflash_config"]["mask_token"] = extra.pop("mask_token")
@@ -81,7 +91,13 @@ def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) 
 def drafter_config_from_json(d: dict, source: str = "config.json") -> DrafterConfig:
     try:
         dc = d["dflash_config"]
-        return DrafterConfig(
+        v2 = "DFlash2DraftModel" in d.get("architectures", [])
+        sizes = {k: dc.get(k, d.get(k)) for k in _DFLASH2_KEYS} if v2 else {}
+        missing = [k for k, v in sizes.items() if v is None]
+        if missing:
+            raise KeyError(missing[0])
+        return (Drafter2Config if v2 else DrafterConfig)(
+            **sizes,
             hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
             num_key_value_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
@@ -115,7 +131,8 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     (out / CONFIG_NAME).write_text(json.dumps(drafter_config_json(drafter.config, dtype), indent=2) + "\n")
-    shutil.copyfile(_MODELING_SOURCE, out / MODELING_NAME)
+    if not isinstance(drafter, DFlash2Drafter):  # the trust_remote_code file is DFlash v1's
+        shutil.copyfile(_MODELING_SOURCE, out / MODELING_NAME)
     (out / SERVE_NAME).write_text(
         f"# Serve this drafter ({_DTYPE_NAMES[dtype]} weights) with the target it was trained for "
         f"({drafter.config.num_target_layers} layers, vocabulary {drafter.config.vocab_size}): replace TARGET with "
@@ -154,7 +171,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", weights: 
     state = load_file(str(w), device="cpu")
     dtype = next(iter(state.values())).dtype
     with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
+        drafter = (DFlash2Drafter if isinstance(cfg, Drafter2Config) else DFlashDrafter)(cfg)
     drafter = drafter.to_empty(device="cpu").to(dtype)
     drafter.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer: rebuild (fp32) after to_empty
     missing, unexpected = drafter.load_state_dict(state, strict=False)

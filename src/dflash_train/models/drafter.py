@@ -129,11 +129,13 @@ class DFlashDecoderLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """Parameter names match the servable checkpoint exactly (see models/checkpoint.py)."""
 
+    layer_class = DFlashDecoderLayer  # DFlash 2 (models/drafter2.py) wraps attention and MLP in convolutions
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
         H, k = cfg.hidden_size, cfg.num_feature_layers
-        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg) for _ in range(cfg.num_hidden_layers))
         self.fc = nn.Linear(k * H, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
         self.norm = nn.RMSNorm(H, eps=cfg.rms_norm_eps)
