@@ -58,7 +58,7 @@ join() {
 variants() {
   banner "start the variants: regen ${VARIANTS:-ce kd50 kd100}"
   join
-  (cd /tmp && setsid nohup env PARALLEL=${PARALLEL:-1} TRAIN_MIN=${TRAIN_MIN:-7} STEPS_PER_S=${STEPS_PER_S:-29} bash $S/benchmarks/gpu_variants.sh \
+  (cd /tmp && setsid nohup env PARALLEL=${PARALLEL:-1} TRAIN_MIN=${TRAIN_MIN:-7} bash $S/benchmarks/gpu_variants.sh \
       regen ${VARIANTS:-ce kd50 kd100} > $S/variants.log 2>&1 < /dev/null &)
   sleep 45; tail -5 $S/variants.log
 }

@@ -57,7 +57,7 @@ variant() {
       "data.mix=[$D/regenerated.jsonl,$D/self_regenerated.jsonl]" data.max_samples=null data.max_length=2048 \
       "pipeline.target_devices=[cuda:0]" "pipeline.drafter_devices=[cuda:0]" run.out_dir=$run run.overwrite=true \
       train.token_budget=8192 train.num_anchors=1024 train.lr=2e-3 train.warmup_ratio=0.04 train.max_steps=null \
-      train.epochs=8 train.max_minutes=$TRAIN_MIN train.budget_steps_per_s=${STEPS_PER_S:-29} train.log_every=100 \
+      train.epochs=8 train.max_minutes=$TRAIN_MIN train.log_every=100 \
       train.eval_every=500 train.eval_rows=4 train.checkpoint_every=0 model.num_draft_layers=5 \
       model.target_attention=flex model.target_graphs=true data.eval_prompts=yardstick train.final_eval_prompts=80 \
       train.final_eval_new_tokens=256 $extra > $S/variant_$v.log 2>&1

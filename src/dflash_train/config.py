@@ -223,10 +223,11 @@ class TrainConfig:
                                    "5 for B=10, 4 for B=8, else B/2.3.")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps. Empty = epochs.")
     epochs: float = _f(1.0, "Passes over the training rows when max_steps is empty.")
-    budget_steps_per_s: float | None = _f(None, "With max_minutes and no max_steps: the optimizer steps per second "
-                                                "this machine runs (read it off a step line: tokens/s / "
-                                                "token_budget); the LR schedule is then sized to end when the time "
-                                                "budget does, at most `epochs` passes over the data.")
+    budget_steps_per_s: float | None = _f(None, "With max_minutes and no max_steps: size the LR schedule in steps "
+                                                "(this many per second, read off a step line: tokens/s / "
+                                                "token_budget) instead of following the clock; at most `epochs` "
+                                                "passes over the data. For multi-process runs, which cannot follow "
+                                                "one clock.")
     seed: int = _f(0, "Seed for initialisation, data order and anchors.")
     compile: str = _f("auto", "Drafter step compile mode: eager | default | reduce-overhead | auto "
                               "(reduce-overhead on CUDA, eager on CPU).")
@@ -256,8 +257,10 @@ class TrainConfig:
                                "stops after its deepest tapped layer), 1 = KD only (the target runs every layer).")
     max_minutes: float | None = _f(None, "Time budget: stop after the first step that ends past this many minutes of "
                                          "training (loading, tokenizing and compile warm-up not counted), write the "
-                                         "checkpoint and the drafter, and finish normally. The LR schedule keeps the "
-                                         "length set by max_steps / epochs. Empty = no limit.")
+                                         "checkpoint and the drafter, and finish normally. Without max_steps the LR "
+                                         "schedule follows the clock: warm-up and cosine over the share of the time "
+                                         "spent (or of `epochs` passes, whichever is further), so it ends with the "
+                                         "time on any machine. Empty = no limit.")
     nonfinite: str = _f("skip", "A step whose loss or gradients are NaN/Inf: skip (no update on any replica; the step "
                                 "is counted in the log line and the result) | stop (the run stops naming the step).")
 

@@ -35,6 +35,7 @@ from ..models.target import load_target
 from ..training.budget import TimeBudget
 from ..training.checkpointing import CheckpointManager, resume_point
 from ..training.metrics import MetricsLogger
+from ..training.optim import follows_clock
 from ..training.plots import write_training_plots
 from ..training.run import build_run, hold_run_dir, prepare_out_dir
 from ..training.step import resolve_compile_mode
@@ -146,6 +147,10 @@ class _Pipeline:
                                      self.validator)
         self.drafters[0].reporter = self.reporter if self.peers.is_rank0 else None
         # Rank 0's clock alone decides; its decision reaches the other ranks in the next step's all-reduce.
+        if self.peers.enabled and follows_clock(cfg.train):
+            raise ConfigError("train.max_minutes without train.max_steps makes the LR schedule follow the clock, "
+                              "which one process decides alone: with several processes set train.max_steps (or "
+                              "train.budget_steps_per_s) so that every rank runs the same schedule.")
         self.budget = TimeBudget(cfg.train.max_minutes if self.peers.is_rank0 else None,
                                  replicas=self.shard.global_replicas)
         gradsync.budget = self.budget

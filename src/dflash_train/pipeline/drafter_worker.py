@@ -82,7 +82,7 @@ class DrafterWorker(Worker):
         self.drafter = copy.deepcopy(self.init_drafter).float().to(self.device).train()
         self.params = list(self.drafter.parameters())
         self.optimizer = build_optimizer(self.params, cfg, self.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg, self.run.total_steps)
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.run.total_steps, clock=self.budget)
         if self.train_state is not None:
             # deepcopy: on CPU load_state_dict keeps the given tensors, and replicas must not share Adam moments
             self.optimizer.load_state_dict(copy.deepcopy(self.train_state["optimizer"]))

@@ -1,7 +1,9 @@
 """`train.max_minutes`: stop training once a wall-clock budget is spent, at the same step on every replica.
 
 The clock starts when training starts (after loading, tokenizing and compile warm-up). Only the step loop stops
-early: the LR schedule keeps the length set by max_steps / epochs, and the caller checkpoints and finishes normally.
+early, and the caller checkpoints and finishes normally. Without train.max_steps the LR schedule follows the clock
+too (optim.follows_clock): the share of the budget spent advances it, so the LR reaches its end when the time does,
+on any machine, with no steps-per-second figure to guess.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class TimeBudget:
         self.lag = 0 if replicas == 1 else 1
         self.t0 = time.monotonic()
         self.stop_after: int | None = None  # written once by the decider; a plain int, read by the other threads
+        self._shares: dict[int, float] = {}  # steps done -> share of the budget spent then (decider's, recent only)
 
     def start(self) -> None:
         """Restart the clock (call when the first training step is about to run)."""
@@ -37,11 +40,20 @@ class TimeBudget:
 
     def should_stop(self, steps_done: int, decider: bool = True) -> bool:
         """Called by every replica after each completed step (steps_done counts them)."""
+        if decider and self.max_s is not None:
+            self._shares[steps_done] = min(1.0, self.elapsed_s / self.max_s)
+            self._shares.pop(steps_done - 4, None)
         if decider and self.stop_after is None and self.max_s is not None and self.elapsed_s >= self.max_s:
             self.stop_after = steps_done + self.lag
             log.info(f"time budget of {self.max_s / 60:g} min spent after step {steps_done}: stopping after step "
                      f"{self.stop_after}")
         return self.stop_after is not None and steps_done >= self.stop_after
+
+    def spent_share(self, steps_done: int) -> float:
+        """The share of the budget the LR after `steps_done` steps follows: the decider's reading after step
+        steps_done - 1. Every replica asks after its own step `steps_done`, i.e. after that step's gradient average,
+        which the decider joins only once it has recorded steps_done - 1: all replicas read the same number."""
+        return self._shares.get(steps_done - 1, 0.0)
 
     @property
     def spent(self) -> bool:

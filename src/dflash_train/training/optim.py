@@ -33,9 +33,58 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: fl
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer, cfg: TrainConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio))
+def progress_factor(progress: float, step: int, total_steps: int, warmup_ratio: float,
+                    min_lr_ratio: float = 0.0) -> float:
+    """lr_factor over the run's progress (0..1) instead of its step: warm-up over the first warmup_ratio of it
+    (at least one step's worth, so the first step's LR is not zero), then cosine to min_lr_ratio."""
+    if warmup_ratio > 0 and progress < warmup_ratio:
+        return min(1.0, max(progress, (step + 1) / total_steps) / warmup_ratio)
+    rest = min(1.0, (progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * rest))
+
+
+def follows_clock(cfg: TrainConfig) -> bool:
+    """train.max_minutes with neither max_steps nor budget_steps_per_s: the schedule's progress is the larger of
+    steps / total_steps (total_steps = `epochs` passes, the most the run may train) and the share of the time spent.
+    A run that follows the clock is not reproducible step for step (its LR depends on the machine's speed); set
+    train.max_steps for that."""
+    return cfg.max_minutes is not None and not cfg.max_steps and cfg.budget_steps_per_s is None
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """Linear warm-up + cosine, over steps (lr_factor) or, given the run's TimeBudget as `clock`, over the larger of
+    the step and the time progress (progress_factor). Its saved state is the step and the progress reached: a
+    resumed run that follows the clock spreads the rest of the schedule over its own train.max_minutes. The length
+    is not saved: a resumed run with a new max_steps or epochs follows the new length from its resume step."""
+
+    def __init__(self, optimizer, cfg: TrainConfig, total_steps: int, clock=None):
+        self.total_steps, self.clock = total_steps, clock
+        self.warmup_ratio, self.min_lr_ratio = cfg.warmup_ratio, cfg.min_lr_ratio
+        self.progress, self.clock_start = 0.0, 0.0
+        super().__init__(optimizer, self._factor)
+
+    def _factor(self, step: int) -> float:
+        if self.clock is None:
+            self.progress = min(1.0, step / self.total_steps)
+            return lr_factor(step, self.total_steps, self.warmup_ratio, self.min_lr_ratio)
+        by_clock = self.clock_start + (1.0 - self.clock_start) * self.clock.spent_share(step)
+        self.progress = min(1.0, max(step / self.total_steps, by_clock))
+        return progress_factor(self.progress, step, self.total_steps, self.warmup_ratio, self.min_lr_ratio)
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        for key in ("clock", "total_steps", "warmup_ratio", "min_lr_ratio", "clock_start"):
+            state.pop(key, None)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.clock_start = max(self.progress, min(1.0, self.last_epoch / self.total_steps)) if self.clock else 0.0
+
+
+def build_scheduler(optimizer, cfg: TrainConfig, total_steps: int, clock=None) -> Schedule:
+    """clock: the run's TimeBudget, when follows_clock(cfg)."""
+    return Schedule(optimizer, cfg, total_steps, clock if follows_clock(cfg) else None)
 
 
 class Updater:

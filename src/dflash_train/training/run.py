@@ -17,6 +17,7 @@ from ..models.build import build_drafter
 from ..models.checkpoint import load_drafter
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetInfo, load_tokenizer, target_config_info
+from .optim import follows_clock
 from .rundir import RUN_CONFIG_NAME, hold_run_dir, prepare_out_dir, release_run_dir  # noqa: F401 - re-exported
 from .validation import EPOCHS_WARN, data_passes_line
 
@@ -75,6 +76,10 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
                          f"train.budget_steps_per_s={t.budget_steps_per_s:g} ({total_steps} would make "
                          f"train.epochs={t.epochs:g})")
                 total_steps = fit
+        elif follows_clock(t):
+            log.info(f"schedule: the LR follows the clock of train.max_minutes={t.max_minutes:g} (warm-up and "
+                     f"cosine over the share of the time spent), at most {total_steps} steps "
+                     f"(train.epochs={t.epochs:g})")
     schedule = BatchSchedule(data.train, cfg.train.token_budget, cfg.train.num_anchors, cfg.train.seed,
                              total_steps * batches_per_step, pad_id)
     if cfg.model.drafter_init:

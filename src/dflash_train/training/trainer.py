@@ -60,7 +60,8 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     drafter = drafter.float().to(device).train()
     params = list(drafter.parameters())
     optimizer = build_optimizer(params, cfg.train, device)
-    scheduler = build_scheduler(optimizer, cfg.train, setup.total_steps)
+    budget = TimeBudget(cfg.train.max_minutes)  # started when the loop starts; the LR may follow it (follows_clock)
+    scheduler = build_scheduler(optimizer, cfg.train, setup.total_steps, clock=budget)
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -74,8 +75,8 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     step = start_step
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     window = StepWindow()  # the steps since the last log line
-    budget = TimeBudget(cfg.train.max_minutes)  # the clock starts here; this loop compiles inside its first step
     logger.budget = budget
+    budget.start()  # the clock starts here; this loop compiles inside its first step
     try:
         for batch in setup.schedule.iter_from(start_step):
             b = batch.to(device)
