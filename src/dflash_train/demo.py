@@ -38,12 +38,12 @@ log = logging.getLogger("dflash_train")
 
 RECIPE = "smollm2_demo"
 # One H200: ~5 minutes of regeneration (the first answer of every ShareGPT conversation, then prompts the target
-# writes itself), then 7 minutes of training whose LR schedule follows the clock (training/optim.py, follows_clock)
+# writes itself), then 8 minutes of training whose LR schedule follows the clock (training/optim.py, follows_clock)
 # over at most 8 epochs of the data; 8,192-token rows with 1,024 anchors, flex target attention replayed as a CUDA graph, validation every 500 steps on 4 held-out rows.
 GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenerate_first_turn_only=true",
                  "data.self_prompts=40000", "data.regenerate_minutes=5", "data.max_length=2048",
                  "train.token_budget=8192", "train.num_anchors=1024", "train.lr=2e-3", "train.warmup_ratio=0.04",
-                 "train.max_steps=null", "train.epochs=8", "train.max_minutes=7",
+                 "train.max_steps=null", "train.epochs=8", "train.max_minutes=8",
                  "train.log_every=100", "train.eval_every=500", "train.eval_rows=4", "train.checkpoint_every=2000",
                  "train.final_eval_prompts=0", "model.num_draft_layers=5", "model.target_attention=flex",
                  "model.target_graphs=true"]
