@@ -5,7 +5,7 @@
 #               joined at $S/SmolLM2-135M-Instruct.Q4_1.gguf)
 #   <variant>   train from scratch on that data for TRAIN_MIN minutes (schedule sized to it), then speculative
 #               decoding on the bundled yardstick prompts (another source: 80 x 256 tokens)
-# PARALLEL=1 trains the variants side by side on the one GPU (each gets a share of it: compare them with each other,
+# EXTRA="k=v ..." adds overrides to every variant. PARALLEL=1 trains the variants side by side on the one GPU (each gets a share of it: compare them with each other,
 # not with a run that had the GPU alone). One line per variant (measured tau, speedup, verdict, validation's best
 # estimate, steps) goes to $OUT/variants.txt. Start it in its own session and poll (device calls are <= 10 minutes):
 #   setsid nohup bash benchmarks/gpu_variants.sh regen ce kd50 > /tmp/dflash/variants.log 2>&1 < /dev/null &
@@ -60,7 +60,7 @@ variant() {
       train.epochs=8 train.max_minutes=$TRAIN_MIN train.log_every=100 \
       train.eval_every=500 train.eval_rows=4 train.checkpoint_every=0 model.num_draft_layers=5 \
       model.target_attention=flex model.target_graphs=true data.eval_prompts=yardstick train.final_eval_prompts=80 \
-      train.final_eval_new_tokens=256 $extra > $S/variant_$v.log 2>&1
+      train.final_eval_new_tokens=256 $extra ${EXTRA:-} > $S/variant_$v.log 2>&1
   grep -v -E "it/s\]|s/it\]" $S/variant_$v.log | grep -E "val |measured|data:|done|rror" | tail -8
   python3 - "$v" "$run" >> "$OUT/variants.txt" <<'EOF'
 import json, sys
