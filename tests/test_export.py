@@ -105,6 +105,7 @@ def test_step_checkpoint_resumes_the_fp32_weights_bit_for_bit(tiny_llama, tmp_pa
             p.add_(torch.randn_like(p) * 1e-3)
     ckpt = CheckpointManager(tmp_path, run_id="r")
     path = ckpt.save(3, drafter, _Opt(), _Opt(), data_position=6)
+    assert ckpt.wait() == path  # written in the background: complete once wait() returns
     assert load_file(str(path / TRAINING_WEIGHTS_NAME))["fc.weight"].dtype == torch.float32
     back, state, found = ckpt.load_latest()
     assert found == path and state["step"] == 3

@@ -90,7 +90,8 @@ def test_only_checkpoints_of_this_run_are_resumed(tiny_llama, tmp_path, caplog):
     prepare_out_dir(cfg_for(tiny_llama, run, "run.resume=auto"))
     release_run_dir(run)
     drafter, opt, sched = _drafter_and_optimizer(tiny_llama)
-    CheckpointManager(run, run_id="another-run").save(5, drafter, opt, sched, data_position=5)
+    with CheckpointManager(run, run_id="another-run") as other:  # leaving waits for the write
+        other.save(5, drafter, opt, sched, data_position=5)
     caplog.set_level(logging.INFO, logger="dflash_train")
     init, state = resume_point("auto", CheckpointManager(run), fresh=drafter)
     assert init is drafter and state is None
@@ -209,7 +210,7 @@ def _drafter_and_optimizer(target):
 def test_rotation_orders_by_step_and_keeps_the_newest_latest_and_best(tiny_llama, tmp_path):
     drafter, opt, sched = _drafter_and_optimizer(tiny_llama)
     ckpt = CheckpointManager(tmp_path, keep=2, run_id="r")
-    save = lambda step: ckpt.save(step, drafter, opt, sched, data_position=step)  # noqa: E731
+    save = lambda step: (ckpt.save(step, drafter, opt, sched, data_position=step), ckpt.wait())  # noqa: E731
     for step in (10, 20, 30):
         save(step)
     assert names(ckpt) == ["step_00000020", "step_00000030"]

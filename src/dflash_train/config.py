@@ -235,7 +235,9 @@ class TrainConfig:
                                 "(flex on CUDA, sdpa on CPU).")
     dtype: str = _f("auto", "Compute dtype: bf16 | fp32 | auto (bf16 on CUDA, fp32 on CPU). Master weights stay fp32.")
     log_every: int = _f(10, "Print a step line every this many steps (metrics sync the GPU only then).")
-    checkpoint_every: int = _f(500, "Save a checkpoint every this many steps (0 = only at the end).")
+    checkpoint_every: int = _f(500, "Save a checkpoint every this many steps (0 = only at the end). The state is "
+                                    "copied to host memory and written by a background thread while training goes "
+                                    "on; a save waits for the previous write, whose error it reports.")
     keep_checkpoints: int = _f(3, "Keep the newest K step checkpoints (at least 1), plus the one `latest` and the "
                                   "one `best` name.")
     eval_every: int = _f(500, "Validate every this many steps and at the end: the drafter's loss, acc@k and tau on "

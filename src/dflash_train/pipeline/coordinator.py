@@ -109,7 +109,7 @@ class _Pipeline:
         self.faults, self.phase, self._steps_seen = faults, "startup", self.start_step
         self._thread = threading.current_thread()
         self.watchdog = Watchdog(self.control, cfg.pipeline.stall_timeout_s)
-        self.ckpt.mid_write = self._mid_checkpoint
+        self.ckpt.mid_save = self._mid_checkpoint
         self.logger = MetricsLogger(self.run_setup.out_dir if peers.is_rank0 else None, self.run_setup.total_steps,
                                     cfg.train.token_budget * self.shard.global_replicas, cfg.train.log_every,
                                     start_step=self.start_step)
@@ -177,6 +177,8 @@ class _Pipeline:
                 self._start_and_supervise()
         finally:
             alive = self._shutdown()
+            with self._as_coordinator():  # a periodic write still in flight (a failed run) completes or fails here
+                self.ckpt.wait()
             self.logger.close()
         self._raise_failure(alive)
         d0 = self.drafters[0]
@@ -280,7 +282,7 @@ class _Pipeline:
         self.faults.check_checkpoint("coordinator", self.control.failed)
 
     def _mid_checkpoint(self) -> None:
-        """CheckpointManager.mid_write: the `checkpoint` fault point of whichever thread is writing."""
+        """CheckpointManager.mid_save: the `checkpoint` fault point of whichever thread is taking a checkpoint."""
         me = threading.current_thread()
         if me is self._thread:
             self.faults.in_checkpoint("coordinator", self.control.failed, any(w.running for w in self.workers))
@@ -317,8 +319,9 @@ class _Pipeline:
         self.watchdog.beat()
         self.phase = "checkpoint"
         with self._as_coordinator():
-            return self.ckpt.save(d0.steps_done, d0.drafter, d0.optimizer, d0.scheduler,
-                                  data_position=d0.steps_done * self.shard.global_replicas)
+            self.ckpt.save(d0.steps_done, d0.drafter, d0.optimizer, d0.scheduler,
+                           data_position=d0.steps_done * self.shard.global_replicas)
+            return self.ckpt.wait()  # complete before the summary names it or the final export starts
         self._raise_failure([])
 
     def _check_replicas_identical(self) -> None:

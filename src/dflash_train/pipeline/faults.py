@@ -4,10 +4,10 @@
   phase   startup      end of the worker's setup (the coordinator: every worker ready, before the first step)
           step=<n>     steady state: the loader's and a target's n-th item (0-based), the prefetcher's batch n,
                        a drafter's optimizer step n (0-based), the coordinator once n steps are done
-          checkpoint   while a checkpoint is being written: the writer (drafter0 for periodic ones, the coordinator
-          checkpoint=<n> for the final or signal one) after the weights and before the training state; any other
-                       worker at its next wait while the writer holds the write open. <n>: only the n-th checkpoint
-                       written by this run (0-based); bare: the first.
+          checkpoint   while a checkpoint is being taken: the saver (drafter0 for periodic ones, the coordinator
+          checkpoint=<n> for the final or signal one) after copying the weights and before the training state (the
+                       disk write follows on the background writer); any other worker at its next wait while the
+                       saver holds it open. <n>: only the n-th checkpoint of this run (0-based); bare: the first.
           shutdown     after the worker's loop ended normally (the coordinator: while it stops and joins the threads)
           warmup       an old name of startup
   kind    raise  an InjectedFault exception      oom  a torch.OutOfMemoryError (what CUDA raises), on any device
@@ -121,7 +121,7 @@ class FaultPlan:
             self.check(worker, "checkpoint", release, index)
 
     def in_checkpoint(self, writer: str, release: threading.Event, others_running: bool = True) -> None:
-        """Called by a checkpoint writer after the weights and before the training state. Fires the writer's own
+        """Called by a checkpoint's saver after copying the weights, before the training state. Fires its own
         fault, then (while other workers run) holds the write open, up to CHECKPOINT_WINDOW_S or until `release`,
         so that their faults for this checkpoint fire at their next wait."""
         if not self.faults:

@@ -74,9 +74,11 @@ class StepReporter:
             self.validator.mark_checkpoint(self.ckpt, step)
 
     def on_end(self, worker) -> None:
-        """After replica 0's last step (the last of the schedule, or a time-budget stop): validate it if not yet."""
+        """After replica 0's last step (the last of the schedule, or a time-budget stop): validate it if not yet;
+        the last periodic checkpoint is complete (a failed write fails this replica, the one that asked for it)."""
         if self.validator.enabled and self._validated != worker.steps_done:
             self._validate(worker, worker.steps_done)
+        self.ckpt.wait()
 
     def _validate(self, worker, step: int) -> None:
         train_tau = self.logger.history[-1]["tau_est"] if self.logger.history else None

@@ -8,12 +8,16 @@
   <out_dir>/checkpoints/best             JSON {name, step, metric, value, run_id}: the checkpoint mark_best named
   <out_dir>/run_id                       this run's id (written by training/run.py:prepare_out_dir)
 
-A checkpoint is written into a hidden temporary directory, its files fsynced, and renamed into place only when
-complete; `latest` is replaced atomically after that: a crash (or SIGKILL, or a full disk) mid-write can never make
-a half-written checkpoint `latest`. Resume loads training_weights.safetensors (exact: the fp32 weights the optimizer
-state belongs to) and checks that the servable model.safetensors is their bf16 rounding. A failed write removes its
-temporary directory; a full disk is a CheckpointError (a UserError) naming the directory. On load, a checkpoint that
-fails validation is reported and the previous one used.
+Saving takes a snapshot on the caller's thread (every tensor copied to host memory: pinned buffers filled on a side
+stream on CUDA, plain clones on the CPU) and writes it on a background thread, so training goes on while the disk
+works. One write is in flight at most: the next save, `wait()` and `close()` wait for it (its host copy is what
+bounds the memory) and raise its error, so a failed write is never lost. A checkpoint is written into a hidden
+temporary directory, its files fsynced, and renamed into place only when complete; `latest` is replaced atomically
+after that: a crash (or SIGKILL, or a full disk) mid-write can never make a half-written checkpoint `latest`.
+Resume loads training_weights.safetensors (exact: the fp32 weights the optimizer state belongs to) and checks that
+the servable model.safetensors is their bf16 rounding. A failed write removes its temporary directory; a full disk
+is a CheckpointError (a UserError) naming the directory. On load, a checkpoint that fails validation is reported
+and the previous one used.
 
 Every training state carries the run id of the directory it was written in, and only a checkpoint of the directory's
 run id is ever resumed: a checkpoint copied in from another run, or left by one, is reported and skipped. Rotation
@@ -28,12 +32,15 @@ so a future random op cannot silently break exact resume.
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import logging
 import os
 import random
 import shutil
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -131,11 +138,88 @@ def validate_training_state(state, path: Path) -> None:
         raise CheckpointError(f"{path / STATE_NAME} holds step {state['step']}, not the step its directory names.")
 
 
+def host_drafter(drafter: DFlashDrafter, weights: dict[str, torch.Tensor]) -> DFlashDrafter:
+    """A drafter of the same class and config whose parameters are `weights` (host copies, used in place): the
+    snapshot the writer thread saves while the live drafter trains on."""
+    with torch.device("meta"):  # no memory: load_state_dict(assign=True) puts the copies in as they are
+        host = type(drafter)(drafter.config)
+    host.load_state_dict(weights, assign=True)
+    return host
+
+
+class HostCopier:
+    """Copies the tensors of nested state (dicts, lists, tuples; anything else deep-copied) to host memory.
+
+    CUDA tensors go into pinned buffers, kept from one save to the next (the previous write is complete before the
+    next copy starts, so a buffer is never overwritten while it is read), with non-blocking copies on a side stream
+    that first waits for the work already queued on the caller's stream. `finish()` makes the caller's stream wait
+    for the copies (later in-place updates of the weights and moments cannot race them) and returns the event the
+    writer synchronises on before it reads a buffer. CPU tensors are cloned."""
+
+    def __init__(self):
+        self._pinned: dict[tuple, torch.Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._started: set[torch.device] = set()  # devices with copies queued since the last finish()
+
+    def copy(self, obj, key: tuple = ()):
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj.detach(), key)
+        if isinstance(obj, dict):
+            return {k: self.copy(v, key + (k,)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy(v, key + (i,)) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+    def _tensor(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
+        if t.device.type != "cuda":
+            return t.clone()
+        side = self._streams.get(t.device)
+        if side is None:
+            side = self._streams[t.device] = torch.cuda.Stream(t.device)
+        if t.device not in self._started:  # the copy must see every update queued before the save
+            side.wait_stream(torch.cuda.current_stream(t.device))
+            self._started.add(t.device)
+        buf = self._pinned.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        with torch.cuda.stream(side):
+            buf.copy_(t, non_blocking=True)
+        return buf
+
+    def finish(self) -> list[torch.cuda.Event]:
+        """Order the caller's streams after the copies; the events mark the copies complete (none on the CPU)."""
+        events = []
+        for device in self._started:
+            side = self._streams[device]
+            torch.cuda.current_stream(device).wait_stream(side)
+            events.append(side.record_event())
+        self._started.clear()
+        return events
+
+
+@dataclass
+class _Write:
+    """One checkpoint on its way to disk; `best` is a mark_best record that arrived while it was written."""
+    step: int
+    drafter: DFlashDrafter  # host_drafter(): the weights in host memory
+    state: dict
+    copied: list  # CUDA events: the host copies are complete
+    best: dict | None = None
+    published: bool = False  # renamed into place and `latest` updated
+    error: BaseException | None = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
 class CheckpointManager:
     """Writes, rotates and loads the step checkpoints of one run directory.
 
     run_id: the id every saved training state carries and every loaded one must match; by default the one in
-    <out_dir>/run_id (None where there is none: then only states without a run id match)."""
+    <out_dir>/run_id (None where there is none: then only states without a run id match).
+
+    save() returns once the state is copied; the write runs on a background thread ("dflash-checkpoint"), one at a
+    time. wait() blocks until it is complete and raises its error; call it (or close()) before anything reads the
+    checkpoint or the run ends. Used as a context manager, leaving waits too (and only logs a write error when
+    another exception is already on its way out)."""
 
     def __init__(self, out_dir: str | Path, keep: int = 3, run_id: str | None = None):
         if keep < 1:  # train.keep_checkpoints is validated >= 1; 0 would delete the checkpoint just written
@@ -143,8 +227,23 @@ class CheckpointManager:
         self.root = Path(out_dir) / "checkpoints"
         self.keep = keep
         self.run_id = run_id if run_id is not None else read_run_id(out_dir)
-        # Called by the writing thread between the weights and the training state (fault injection, tests).
-        self.mid_write: Callable[[], None] | None = None
+        # Called by the saving thread between copying the weights and the training state (fault injection, tests).
+        self.mid_save: Callable[[], None] | None = None
+        self._copier = HostCopier()
+        self._lock = threading.Lock()  # the write in flight and `best` are shared with the writer thread
+        self._write: _Write | None = None
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # noqa: BLE001 - the exception already leaving wins; this one goes to the log
+            log.error(f"the checkpoint write also failed: {type(e).__name__}: {e}")
 
     def step_dirs(self) -> list[Path]:
         """Complete checkpoints, oldest step first (by number: step_100000000 sorts after step_99999999; temporary
@@ -155,20 +254,57 @@ class CheckpointManager:
 
     def save(self, step: int, drafter: DFlashDrafter, optimizer, scheduler, data_position: int,
              extra: dict | None = None) -> Path:
-        name = f"step_{step:08d}"
+        """Copy the state of `step` to host memory and start writing it; returns the directory it will be in once
+        wait() returned. Raises the previous write's error, if it failed."""
+        self.wait()  # one write in flight: its host copy bounds the memory, and its buffers are reused now
+        weights = self._copier.copy(drafter.state_dict())
+        if self.mid_save is not None:
+            self.mid_save()
+        state = {"step": step, "data_position": data_position,
+                 "optimizer": self._copier.copy(optimizer.state_dict(), ("optimizer",)),
+                 "scheduler": self._copier.copy(scheduler.state_dict(), ("scheduler",)), "rng": rng_state(),
+                 "extra": copy.deepcopy(extra or {}), "run_id": self.run_id}
+        job = _Write(step, host_drafter(drafter, weights), state, self._copier.finish())
+        job.thread = threading.Thread(target=self._run_write, args=(job,), name="dflash-checkpoint", daemon=True)
+        with self._lock:
+            self._write = job
+        job.thread.start()
+        return self.root / f"step_{step:08d}"
+
+    def wait(self) -> Path | None:
+        """Block until the write in flight (if any) is complete; raise its error (once). Returns its directory."""
+        job = self._write
+        if job is None:
+            return None
+        job.thread.join()  # bounded like a synchronous write: the stall detectors time it the same way
+        with self._lock:
+            self._write = None
+        if job.error is not None:
+            raise job.error
+        return self.root / f"step_{job.step:08d}"
+
+    def close(self) -> None:
+        """The end of the run: the last write is complete (or its error raised)."""
+        self.wait()
+
+    def _run_write(self, job: _Write) -> None:
+        try:
+            self._write_to_disk(job)
+        except BaseException as e:  # noqa: BLE001 - raised to the caller by the next save, wait() or close()
+            job.error = e
+
+    def _write_to_disk(self, job: _Write) -> None:
+        name = f"step_{job.step:08d}"
         final = self.root / name
         tmp = self.root / f".{name}.tmp"
+        for event in job.copied:  # the host buffers are filled once their side-stream copies are done
+            event.synchronize()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            save_drafter(drafter, tmp)
-            save_training_weights(drafter, tmp)
-            if self.mid_write is not None:
-                self.mid_write()
-            state = {"step": step, "data_position": data_position, "optimizer": optimizer.state_dict(),
-                     "scheduler": scheduler.state_dict(), "rng": rng_state(), "extra": extra or {},
-                     "run_id": self.run_id}
-            torch.save(state, tmp / STATE_NAME)
+            save_drafter(job.drafter, tmp)
+            save_training_weights(job.drafter, tmp)
+            torch.save(job.state, tmp / STATE_NAME)
             _fsync_dir_tree(tmp)
             if final.exists():  # re-saving the same step (e.g. final == last periodic): replace it whole
                 shutil.rmtree(final)
@@ -178,15 +314,23 @@ class CheckpointManager:
         except BaseException as e:
             full = _disk_full(e, self.root)  # before freeing the space this write took
             shutil.rmtree(tmp, ignore_errors=True)
+            previous = self.latest()
+            kept = f"the previous checkpoint, {previous.name}, is intact" if previous else "no checkpoint is kept"
             if full:
-                previous = self.latest()
-                kept = f"the previous checkpoint, {previous.name}, is intact" if previous else "no checkpoint is kept"
                 raise CheckpointError(f"The disk is full: checkpoint {name} could not be written to {self.root} "
                                       f"({kept}); free space there or point run.out_dir at a disk with room.") from e
+            if isinstance(e, OSError):  # permissions, a read-only or failing disk: the user's to fix
+                raise CheckpointError(f"Checkpoint {name} could not be written to {self.root} ({e}; {kept}); make "
+                                      "run.out_dir writable or point it at a working disk.") from e
+            if isinstance(e, Exception):  # a bug: its traceback stays, and this says which write it broke
+                raise RuntimeError(f"writing checkpoint {name} to {self.root} failed ({kept})") from e
             raise
+        with self._lock:  # a mark_best from now on writes `best` itself
+            job.published = True
+            if job.best is not None:
+                _atomic_write_text(self.root / "best", json.dumps(job.best) + "\n")
         self._prune()
         log.info(f"checkpoint saved: {final}")
-        return final
 
     def _prune(self):
         """Keep the newest `keep` by step, and always the newest step, `latest`'s and `best`'s checkpoints."""
@@ -214,14 +358,20 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ the best checkpoint (validation)
     def mark_best(self, step: int, metric: str, value: float) -> Path:
-        """Name checkpoint `step` (saved already) the best so far by `metric`: `checkpoints/best` is replaced
-        atomically, and rotation keeps that checkpoint until another one is marked. The caller decides what is
+        """Name checkpoint `step` (saved already; if it is still being written, once it is complete) the best so far
+        by `metric`: `checkpoints/best` is replaced atomically, and rotation keeps that checkpoint until another one
+        is marked. The caller decides what is
         better; this only records it. Returns the checkpoint's directory."""
         d = self.root / f"step_{step:08d}"
-        if not d.is_dir():
-            raise FileNotFoundError(f"mark_best({step}): no checkpoint {d}; save the step before marking it best")
         record = {"name": d.name, "step": step, "metric": metric, "value": float(value), "run_id": self.run_id}
-        _atomic_write_text(self.root / "best", json.dumps(record) + "\n")
+        with self._lock:
+            job = self._write
+            if job is not None and job.step == step and not job.published:
+                job.best = record  # the writer names it best once the checkpoint is complete
+                return d
+            if not d.is_dir():
+                raise FileNotFoundError(f"mark_best({step}): no checkpoint {d}; save the step before marking it best")
+            _atomic_write_text(self.root / "best", json.dumps(record) + "\n")
         return d
 
     def best(self) -> dict | None:

@@ -78,24 +78,25 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     logger.budget = budget
     budget.start()  # the clock starts here; this loop compiles inside its first step
     try:
-        for batch in setup.schedule.iter_from(start_step):
-            b = batch.to(device)
-            feats = target.features(b.input_ids, b.position_ids, b.doc_ids)
-            window.add(step_fn(b, feats))
-            update(step + 1)
-            step += 1
-            stop = budget.should_stop(step)
-            if logger.should_log(step) or stop:  # a time-budget stop logs its last window too (log, plots)
-                logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
-            if validator.due(step) or (stop and validator.enabled):
-                validator(step, step_fn, drafter, logger.history[-1]["tau_est"] if logger.history else None)
-            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
-                ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
-                validator.mark_checkpoint(ckpt, step)
-            if stop:
-                break
-        ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
-        validator.mark_checkpoint(ckpt, step)
+        with ckpt:  # leaving waits for the write in flight: its error is raised (logged if another leaves)
+            for batch in setup.schedule.iter_from(start_step):
+                b = batch.to(device)
+                feats = target.features(b.input_ids, b.position_ids, b.doc_ids)
+                window.add(step_fn(b, feats))
+                update(step + 1)
+                step += 1
+                stop = budget.should_stop(step)
+                if logger.should_log(step) or stop:  # a time-budget stop logs its last window too (log, plots)
+                    logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
+                if validator.due(step) or (stop and validator.enabled):
+                    validator(step, step_fn, drafter, logger.history[-1]["tau_est"] if logger.history else None)
+                if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
+                    ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
+                    validator.mark_checkpoint(ckpt, step)
+                if stop:
+                    break
+            ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
+            validator.mark_checkpoint(ckpt, step)
         final, best = validator.finish(save_drafter(drafter, setup.out_dir / "drafter"))
     finally:
         logger.close()
