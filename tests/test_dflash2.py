@@ -28,8 +28,9 @@ H, V = 64, 128
 
 
 def make_drafter2(target, *over, seed: int = 0, jitter: float = 0.1) -> DFlash2Drafter:
-    """A DFlash 2 drafter for `target` whose convolutions and selector are not at their identity / small init
-    (jitter added to every parameter), so that every new parameter matters in a comparison."""
+    """A DFlash 2 drafter for `target` whose convolutions are not at their identity init (jitter added to every
+    parameter) and whose selector's pairwise term is as large as the logits (codebooks and projection of std 1), so
+    that every new parameter, and the predecessor above all, matters in a comparison."""
     cfg = load_config(None, [f"model.target={target}", "model.num_draft_layers=2", "model.mask_token_id=127",
                              f"model.block_size={B}", "model.target_layer_ids=[1,2]", "model.architecture=dflash2",
                              "model.selector_top_k=8", "model.selector_rank=12", "model.conv_kernel_size=3",
@@ -39,6 +40,9 @@ def make_drafter2(target, *over, seed: int = 0, jitter: float = 0.1) -> DFlash2D
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * jitter)
+        sel = drafter.candidate_selector
+        for w in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight):
+            w.normal_(std=1.0)
     return drafter
 
 
@@ -192,3 +196,236 @@ def test_bad_dflash2_sizes_are_one_config_error(tiny_llama, over, needle):
 def test_dflash2_sizes_that_do_not_fit_the_target_are_refused(tiny_llama, over, needle):
     with pytest.raises(ConfigError, match=needle):
         make_drafter2(tiny_llama, *over)
+
+
+# ------------------------------------------------------------------------------------------ training vs inference
+
+LAYERS = [1, 2]
+
+
+def dflash2_decode(t, drafter, prompt, n, temperature=0.0, generator=None, max_len=128):
+    from dflash_train.inference.drafter_runner import Drafter2Runner
+    from dflash_train.inference.speculative import speculative_generate
+    from dflash_train.inference.target_runner import TargetRunner
+
+    t_run = TargetRunner.for_target(t, max_len, step_lens=(1, B))
+    d_run = Drafter2Runner(drafter, t, max_len, B)
+    return t_run, d_run, speculative_generate(t_run, d_run, prompt, n, temperature, generator=generator)
+
+
+def test_training_layout_drafts_what_inference_drafts(biased_llama):
+    """DFlash 2 decoding (Drafter2Runner: selector left to right on its own drafts) against the training objective's
+    one pass over the decoded sequence with an anchor at every step decoding took (teacher-forced selector): each
+    block's accept_len in training is the acceptance length decoding got there, and the teacher-forced picks are
+    decoding's drafts up to and including its first wrong one."""
+    from dflash_train.inference.baseline import target_generate
+    from dflash_train.models.target import load_target
+    from dflash_train.training.objective import default_gamma, dflash_loss
+
+    t = load_target(biased_llama, LAYERS, truncate=False)
+    drafter = coin_drafter(make_drafter2(biased_llama, seed=4))
+    steps_total, deep = 0, 0
+    for prompt in ([5, 9, 17, 33, 2, 8], [40, 41, 42], [7]):
+        t_run, d_run, spec = dflash2_decode(t, drafter, prompt, 48)
+        assert spec.tokens == target_generate(t_run, prompt, 48).tokens          # lossless
+        seq = prompt + spec.tokens
+        starts = [len(prompt)]
+        for a in spec.accept_lengths[:-1]:
+            starts.append(starts[-1] + a)
+        keep = [i for i, s in enumerate(starts) if s + B <= len(seq)]             # every label of the block exists
+        T = len(seq)
+        ids, pos, docs = torch.tensor(seq), torch.arange(T), torch.zeros(T, dtype=torch.long)
+        feats = t.features(ids, pos, docs)
+        anchors = torch.tensor([starts[i] for i in keep])
+        with torch.no_grad():
+            out = dflash_loss(drafter, t.embed_tokens.weight, t.lm_head.weight, feats, ids, pos, docs, pos >= len(prompt),
+                              anchors, torch.ones(len(keep), dtype=torch.bool), block_size=B, gamma=default_gamma(B))
+        assert out["accept_len"].long().tolist() == [spec.accept_lengths[i] for i in keep]
+        steps_total += len(keep)
+        deep += sum(spec.accept_lengths[i] > 2 for i in keep)
+    assert steps_total > 20 and deep > 3  # many steps, some accepted past the first draft (the selector's chain)
+
+
+def test_training_layout_accepts_every_draft_where_the_sequence_is_decodings_drafts(tiny_llama):
+    """Decoding with a random DFlash 2 drafter on a random target (varied tokens, drafts mostly rejected), recorded
+    step by step. For each step, the sequence is continued by that step's drafts instead of the target's tokens: the
+    training objective's pass over it (features, hidden states, teacher-forced selector) must pick exactly those
+    drafts, so its accept_len is B. The hidden states at the real sequence's anchors are decoding's."""
+    from dflash_train.inference.speculative import speculative_generate
+    from dflash_train.models.target import load_target
+    from dflash_train.training.objective import default_gamma, dflash_loss, draft_hidden
+
+    t = load_target(tiny_llama, LAYERS, truncate=False)
+    drafter = make_drafter2(tiny_llama, seed=5)
+    prompt = [3, 14, 15, 92]
+    t_run, d_run, _ = dflash2_decode(t, drafter, prompt, 30)
+    records, inner = [], d_run.propose
+
+    def spy(last, start, temperature=0.0, generator=None):
+        h = d_run.draft(last, start)[0].clone()
+        drafts, q = inner(last, start, temperature, generator)
+        records.append((int(last), start, h, drafts.clone()))
+        return drafts, q
+
+    d_run.propose = spy
+    seq = prompt + speculative_generate(t_run, d_run, prompt, 30).tokens
+    rec = [r for r in records if r[1] + B <= len(seq)]
+    assert len(rec) > 8 and len({tuple(r[3].tolist()) for r in rec}) > 4
+
+    def row(tokens):
+        T = len(tokens)
+        ids, pos, docs = torch.tensor(tokens), torch.arange(T), torch.zeros(T, dtype=torch.long)
+        return t.features(ids, pos, docs), ids, pos, docs, pos >= len(prompt)
+
+    with torch.no_grad():
+        feats, ids, pos, docs, sup = row(seq)
+        anchors = torch.tensor([r[1] for r in rec])
+        h, _ = draft_hidden(drafter, t.embed_tokens.weight, feats, ids, pos, docs, sup, anchors,
+                            torch.ones(len(rec), dtype=torch.bool), block_size=B)
+        for i, (last, start, h_inf, drafts) in enumerate(rec):
+            assert seq[start] == last
+            torch.testing.assert_close(h[i], h_inf, atol=1e-4, rtol=1e-4)
+            alt = seq[: start + 1] + drafts.tolist()                 # the sequence as this step drafted it
+            out = dflash_loss(drafter, t.embed_tokens.weight, t.lm_head.weight, *row(alt), torch.tensor([start]),
+                              torch.ones(1, dtype=torch.bool), block_size=B, gamma=default_gamma(B))
+            assert out["accept_len"].tolist() == [B], (start, drafts)
+
+
+def test_selector_loss_trains_the_selector_only_where_the_label_is_a_candidate():
+    """The selector term: K-way cross-entropy at positions whose label is among the top-K candidates, zero weight
+    elsewhere; the logits are constants (no gradient to the head path from it), the codebooks get gradients."""
+    from dflash_train.models.drafter2 import CandidateSelector
+    from dflash_train.training.selector import selector_objective
+
+    torch.manual_seed(0)
+    A, P, Hs, Vs, K = 3, 4, 8, 20, 5
+    sel = CandidateSelector(Vs, Hs, rank=4, top_k=K)
+    sel.reset_parameters(std=1.0)  # a pairwise term as large as the logits: the predecessor decides picks
+    h = torch.randn(A, P, Hs, requires_grad=True)
+    head_w = torch.randn(Vs, Hs)
+    block_ids = torch.randint(0, Vs, (A, P + 1))
+    logits = (h.detach() @ head_w.t())
+    top = logits.topk(K, dim=-1).indices
+    labels = torch.where(torch.rand(A, P) < 0.5, top[..., 2], logits.argmin(-1))   # half in the set, half out
+    weights = torch.rand(A, P)
+    loss, picks = selector_objective(sel, h, head_w, block_ids, labels, weights, [(0, 5), (5, 12)])
+    # naive reference, one position at a time
+    num, den = 0.0, 0.0
+    for a in range(A):
+        for k in range(P):
+            prev = block_ids[a, 0] if k == 0 else labels[a, k - 1]
+            cand = top[a, k]
+            s = logits[a, k, cand] + ((sel.predecessor_codebook[prev] * sel.hidden_projection(h[a, k]))
+                                      * sel.successor_codebook[cand]).sum(-1)
+            assert picks[a, k] == cand[s.argmax()]
+            if labels[a, k] in cand.tolist():
+                j = cand.tolist().index(int(labels[a, k]))
+                num = num + weights[a, k] * (torch.logsumexp(s, 0) - s[j])
+                den += float(weights[a, k])
+    assert 0 < den < float(weights.sum())
+    torch.testing.assert_close(loss, num / den)
+    loss.backward()
+    assert sel.predecessor_codebook.grad.abs().sum() > 0 and sel.successor_codebook.grad.abs().sum() > 0
+
+
+def test_dflash2_training_step_traces_as_one_graph_and_learns():
+    """The DFlash 2 loss (drafter + selector term) traces as one graph with the same gradients as eager, and a few
+    optimizer steps on a fixed row lower it (every new parameter receives gradient)."""
+    from test_objective_fast import _tiny_setup
+    from dflash_train.models.drafter2 import DFlash2Drafter, Drafter2Config
+    from dflash_train.training.objective import dflash_loss
+
+    drafter, row, anchors, valid, feats, embed_w, head_w = _tiny_setup()
+    torch.manual_seed(0)
+    cfg = Drafter2Config(**drafter.config.to_dict(), conv_kernel_size=2, conv_group_size=8, selector_top_k=6,
+                         selector_rank=8)
+    d2 = DFlash2Drafter(cfg)
+
+    def loss():
+        return dflash_loss(d2, embed_w, head_w, feats, **row, anchors=anchors, anchor_valid=valid,
+                           block_size=cfg.block_size, gamma=2.0, loss_chunk=7)["loss"]
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True, dynamic=False)
+    compiled().backward()
+    g = {n: p.grad.clone() for n, p in d2.named_parameters()}
+    d2.zero_grad(set_to_none=True)
+    first = loss()
+    first.backward()
+    for n, p in d2.named_parameters():
+        torch.testing.assert_close(g[n], p.grad, msg=n)
+        assert p.grad.abs().sum() > 0, n
+    opt = torch.optim.AdamW(d2.parameters(), lr=3e-3)
+    for _ in range(20):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+    with torch.no_grad():
+        assert float(loss()) < 0.9 * float(first)
+
+
+# ------------------------------------------------------------------------------------------ the evaluator
+
+def test_evaluator_runs_dflash2_losslessly_and_as_the_reference_does(biased_llama, monkeypatch):
+    """The project's evaluator (inference/benchmark.evaluate) with a DFlash 2 drafter: greedy output identical to
+    plain decoding, and step for step the acceptance lengths of the reference's dflash_generate with the same drafter
+    (so our selector loop drafts what the reference drafts)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash_train.inference.benchmark import evaluate
+    from dflash_train.models.target import load_target
+
+    t = load_target(biased_llama, LAYERS, truncate=False)
+    drafter = coin_drafter(make_drafter2(biased_llama, seed=6))
+    prompts = [[5, 9, 17, 33, 2, 8], [40, 41, 42], [7]]
+    report = evaluate(t, drafter, prompts, 40, graphs=False, warmup=False)
+    assert all(p.verdict == "identical" for p in report.prompts)
+    assert max(report.steps) > 1 and min(report.steps) < B
+    assert all(p.tau_estimate is not None for p in report.prompts)
+    ref = ref_dflash.DFlash2DraftModel(_ref_config(drafter)).eval()
+    ref.load_state_dict({k + ".weight" if k.endswith("_codebook") else k: v for k, v in drafter.state_dict().items()})
+    hf = AutoModelForCausalLM.from_pretrained(biased_llama, dtype=torch.float32).eval()
+    monkeypatch.setattr(ref_dflash, "_cuda_time", time.perf_counter)
+    for p, rep in zip(prompts, report.prompts):
+        spec = ref_dflash.dflash_generate(ref, hf, torch.tensor([p]), 40, None, block_size=B, return_stats=True)
+        assert spec.output_ids[0, len(p):].tolist() == rep.speculative
+        assert spec.acceptance_lengths[:-1] == rep.accept_lengths[:len(spec.acceptance_lengths) - 1]
+
+
+def _ref_config(drafter):
+    from transformers import Qwen3Config
+
+    from dflash_train.models.checkpoint import drafter_config_json
+
+    return Qwen3Config(**drafter_config_json(drafter.config))
+
+
+def test_sampled_dflash2_speculative_matches_target_distribution(tmp_path):
+    """Speculative sampling with the selector's sparse proposals (top-4 of 8 tokens, re-ranked by a strong pairwise
+    term): the 2nd and 3rd generated tokens follow the target's exact marginals."""
+    from dflash_train.models.target import load_target
+
+    Vs, T = 8, 1.0
+    path = make_tiny_target(tmp_path / "t8", "llama", vocab_size=Vs, initializer_range=0.06)
+    t = load_target(path, LAYERS, truncate=False)
+    drafter = make_drafter2(path, f"model.mask_token_id={Vs - 1}", "model.selector_top_k=4", jitter=0.0)
+    prompt = [3, 1, 4]
+    g = torch.Generator().manual_seed(0)
+    N = 1000
+    counts, taus = torch.zeros(2, Vs), torch.zeros(B + 1)
+    t_run, d_run, _ = dflash2_decode(t, drafter, prompt, 3, max_len=32)
+    from dflash_train.inference.speculative import speculative_generate
+    for _ in range(N):
+        out = speculative_generate(t_run, d_run, prompt, 3, temperature=T, generator=g)
+        counts[0, out.tokens[1]] += 1
+        counts[1, out.tokens[2]] += 1
+        taus[out.accept_lengths[0]] += 1
+    assert taus[1] > 50 and taus[2:].sum() > 50      # rejections and acceptances both ran
+    with torch.no_grad():
+        p1 = torch.softmax(t.hf(input_ids=torch.tensor([prompt])).logits[0, -1] / T, -1)
+        p2 = torch.softmax(t.hf(input_ids=torch.tensor([prompt + [a] for a in range(Vs)])).logits[:, -1] / T, -1)
+        joint12 = p1[:, None] * p2
+        seq3 = torch.tensor([prompt + [a, b] for a in range(Vs) for b in range(Vs)])
+        p3 = torch.softmax(t.hf(input_ids=seq3).logits[:, -1] / T, -1).view(Vs, Vs, Vs)
+        m2, m3 = joint12.sum(0), (joint12[..., None] * p3).sum((0, 1))
+    tv = [float(0.5 * (counts[0] / N - m2).abs().sum()), float(0.5 * (counts[1] / N - m3).abs().sum())]
+    assert max(tv) < 0.06, tv

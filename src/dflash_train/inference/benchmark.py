@@ -34,10 +34,12 @@ import torch
 from ..data.progress import progress_bar
 from ..errors import UserError
 from ..models.drafter import DFlashDrafter, DrafterConfig
+from ..models.drafter2 import DFlash2Drafter
 from ..models.target import TargetInfo, TargetModel
 from ..training.objective import acceptance_metrics, draft_hidden
+from ..training.selector import teacher_forced_picks
 from .baseline import target_generate
-from .drafter_runner import DrafterRunner
+from .drafter_runner import Drafter2Runner, DrafterRunner
 from .report import verdict_text
 from .speculative import speculative_generate
 from .target_runner import TargetRunner
@@ -233,7 +235,13 @@ def acc_estimate(target: TargetModel, drafter: DFlashDrafter, prompt: list[int],
     anchors = torch.arange(P, T - 1, device=dev)
     h, lay = draft_hidden(drafter, target.embed_tokens.weight, target.features(ids, pos, docs), ids, pos, docs,
                           pos >= P, anchors, torch.ones_like(anchors, dtype=torch.bool), block_size=block_size)
-    correct = target.lm_head(h).argmax(-1) == lay.labels
+    logits = target.lm_head(h)                                              # [A, B-1, V]
+    if isinstance(drafter, DFlash2Drafter):  # its drafts are the selector's picks (training/selector.py)
+        unary, candidates = logits.topk(drafter.candidate_selector.top_k, dim=-1)
+        pred = teacher_forced_picks(drafter.candidate_selector, h, unary, candidates, lay.block_ids, lay.labels)[1]
+    else:
+        pred = logits.argmax(-1)
+    correct = pred == lay.labels
     return float(acceptance_metrics(correct, lay.valid)["tau_est"])
 
 
@@ -260,7 +268,11 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
     B = block_size or (drafter.config.block_size if isinstance(drafter, DFlashDrafter) else drafter.block_size)
     max_len = max(len(p) for p in prompts_token_ids) + max_new_tokens + B
     t_run = TargetRunner.for_target(target, max_len, step_lens=(1, B), graphs=graphs)
-    d_run = DrafterRunner(drafter, target, max_len, B, graphs) if isinstance(drafter, DFlashDrafter) else drafter
+    if isinstance(drafter, DFlashDrafter):
+        runner = Drafter2Runner if isinstance(drafter, DFlash2Drafter) else DrafterRunner
+        d_run = runner(drafter, target, max_len, B, graphs)
+    else:
+        d_run = drafter
     gen = torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
     dtype = target.embed_tokens.weight.dtype
     report = EvalReport(B, temperature, max_new_tokens, str(target.device), t_run.graphs,

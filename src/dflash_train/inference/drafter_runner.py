@@ -64,14 +64,18 @@ class DrafterRunner:
             K.index_copy_(0, pos, k.to(K.dtype))
             V.index_copy_(0, pos, v.to(V.dtype))
 
-    def _append_and_draft(self) -> torch.Tensor:
-        """The captured step: append pending context rows, run the block -> draft logits [B-1, V]."""
+    def _block_hidden(self) -> torch.Tensor:
+        """Append pending context rows, run the block -> hidden [B, H]."""
         self._write_context(self.pend_feats, self.pend_pos)
         visible = torch.cat([self.kv_idx < self.ctx_len, self.block_visible])          # [L + B]
         mask = visible[None, :].expand(self.block_size, -1)                            # [B, L + B]
         x = F.embedding(self.block_ids, self.embed_w)                                  # [B, H]
-        h = self.drafter.forward_blocks(x, self.block_pos, list(zip(self.ctx_k, self.ctx_v)), sdpa_attend(mask))
-        return self.lm_head(h[1:])                                                     # [B-1, V]
+        return self.drafter.forward_blocks(x, self.block_pos, list(zip(self.ctx_k, self.ctx_v)), sdpa_attend(mask),
+                                           self.block_size)
+
+    def _append_and_draft(self):
+        """The captured step -> draft logits [B-1, V]."""
+        return self.lm_head(self._block_hidden()[1:])
 
     @torch.no_grad()
     def begin(self, prompt_feats: torch.Tensor) -> None:
@@ -98,3 +102,25 @@ class DrafterRunner:
         torch.add(self.arange_b, start, out=self.block_pos)
         self.ctx_len.fill_(start)
         return self._step()
+
+
+class Drafter2Runner(DrafterRunner):
+    """A DFlash 2 drafter (models/drafter2.py): the captured step also returns the hidden states, and the candidate
+    selector picks the drafts left to right after it (B-1 small eager steps; at temperature T > 0 each pick is a
+    sample of the selector's softmax over its candidates)."""
+
+    def _append_and_draft(self):
+        """The captured step -> (hidden [B-1, H], logits [B-1, V]) of block positions 1..B-1."""
+        h = self._block_hidden()[1:]
+        return h, self.lm_head(h)
+
+    @torch.no_grad()
+    def propose(self, last_token: torch.Tensor, start: int, temperature: float = 0.0,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (drafts [B-1], q [B-1, V] fp32 or None at temperature 0): q_k is the selector's distribution over its
+        candidates given drafts 1..k-1, zero elsewhere, which is what speculative sampling needs (speculative.py)."""
+        h, logits = self.draft(last_token, start)
+        drafts, candidates, q = self.drafter.candidate_selector.select(h, logits, last_token, temperature, generator)
+        if q is None:
+            return drafts, None
+        return drafts, torch.zeros(logits.shape, dtype=q.dtype, device=q.device).scatter_(1, candidates, q)

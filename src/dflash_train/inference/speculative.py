@@ -19,8 +19,10 @@ Acceptance rule
   min(1, p_k(d_k) / q_k(d_k)), p_k = softmax(target logits / T) given the accepted prefix. At the first rejection
   the step emits a sample of norm(max(0, p_k - q_k)) and ends; if all B-1 are accepted, the bonus is a sample of
   p_B. Each emitted token is then distributed exactly as the target's own sample given the tokens before it. The
-  proof needs q_k to be independent of d_1..d_{k-1} given the context, which holds: the drafter proposes every
-  position in one parallel pass and the draws are independent.
+  proof needs q_k to be the distribution d_k was drawn from given the context and d_1..d_{k-1}: for DFlash the
+  drafter proposes every position in one parallel pass and the draws are independent; DFlash 2's selector draws
+  d_k from its softmax over candidates given d_{k-1} (speculative sampling's usual autoregressive draft), and
+  that softmax, zero outside the candidates, is its q_k.
 Stop tokens and max_new_tokens cut accepted blocks through the same TokenSink as plain decoding.
 """
 
@@ -42,6 +44,17 @@ class DraftSource(Protocol):
     def begin(self, prompt_feats: torch.Tensor) -> None: ...                 # feats [P, k*H]
     def extend(self, block_feats: torch.Tensor, block_start: int) -> None: ...  # feats [B, k*H]
     def draft(self, last_token: torch.Tensor, start: int) -> torch.Tensor: ...  # -> logits [B-1, V]
+
+
+def draft_tokens(drafter: DraftSource, last: torch.Tensor, start: int, temperature: float,
+                 generator: torch.Generator | None = None):
+    """-> (draft tokens [B-1], q [B-1, V] or None at temperature 0). A drafter with a proposal rule of its own
+    (DFlash 2's candidate selector: drafter_runner.Drafter2Runner.propose) applies it; otherwise the drafts come
+    from its logits (`propose`)."""
+    own = getattr(drafter, "propose", None)
+    if own is not None:
+        return own(last, start, temperature, generator)
+    return propose(drafter.draft(last, start), temperature, generator)
 
 
 def propose(draft_logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None):
@@ -106,7 +119,7 @@ def speculative_generate(target: TargetRunner, drafter: DraftSource, prompt_ids:
     start = len(prompt_ids)                                                # position of `last`
     accept_lengths: list[int] = []
     while not sink.done:
-        draft, q = propose(drafter.draft(last, start), temperature, generator)       # [B-1]
+        draft, q = draft_tokens(drafter, last, start, temperature, generator)       # [B-1]
         t_logits, t_feats = target.step(torch.cat([last, draft])[None], start)    # [1, B, V], [1, B, k*H]
         if q is None:
             n, emitted, last = accept_greedy(t_logits[0], draft)

@@ -160,16 +160,19 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def forward_blocks(self, x: torch.Tensor, block_pos: torch.Tensor,
-                       ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], attend: AttendFn) -> torch.Tensor:
-        """x [N, H] embedded block tokens, block_pos [N] -> final-normed hidden [N, H]."""
+                       ctx_kv: list[tuple[torch.Tensor, torch.Tensor]], attend: AttendFn,
+                       block_size: int | None = None) -> torch.Tensor:
+        """x [N, H] embedded block tokens, block_pos [N] -> final-normed hidden [N, H].
+        block_size: rows per block (N = blocks * block_size). These layers see blocks only through `attend`'s mask;
+        DFlash 2's convolutions (models/drafter2.py) run within each block."""
         cos, sin = self.rotary(block_pos, x.dtype)
         for layer, (ck, cv) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, ck, cv, attend)
         return self.norm(x)
 
     def forward(self, x: torch.Tensor, block_pos: torch.Tensor, feats: torch.Tensor, ctx_pos: torch.Tensor,
-                attend: AttendFn) -> torch.Tensor:
-        return self.forward_blocks(x, block_pos, self.context_kv(feats, ctx_pos), attend)
+                attend: AttendFn, block_size: int | None = None) -> torch.Tensor:
+        return self.forward_blocks(x, block_pos, self.context_kv(feats, ctx_pos), attend, block_size)
 
 
 def default_num_draft_layers(num_target_layers: int) -> int:

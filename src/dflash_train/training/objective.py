@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..models.drafter import AttendFn, DFlashDrafter
 from ..models.flex import FLEX_TILE, ordered_tiles
+from .selector import selector_objective
 
 
 def default_gamma(block_size: int) -> float:
@@ -374,7 +375,7 @@ def draft_hidden(drafter: DFlashDrafter, embed_w: torch.Tensor, feats: torch.Ten
     else:
         attend = sdpa_attend(dense_block_mask(anchors, doc_ids, block_size))
     x = F.embedding(lay.block_ids.flatten(), embed_w)                       # [A*B, H]
-    h = drafter(x, lay.block_pos, feats, position_ids, attend)              # [A*B, H]
+    h = drafter(x, lay.block_pos, feats, position_ids, attend, block_size)  # [A*B, H]
     return h.view(anchors.shape[0], block_size, -1)[:, 1:], lay
 
 
@@ -403,6 +404,11 @@ def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Ten
     ce, pred = ce.view(A, block_size - 1), pred.view(A, block_size - 1)
     w = position_weights(block_size, gamma, device=ce.device)[None, :] * lay.valid.float()
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
+    selector = getattr(drafter, "candidate_selector", None)
+    if selector is not None:  # DFlash 2: the drafts are the selector's picks, trained here (training/selector.py)
+        sel_loss, pred = selector_objective(selector, h.view(A, block_size - 1, -1), head_w, lay.block_ids,
+                                            lay.labels, w, _even_chunks(h.shape[0], loss_chunk))
+        loss = loss + sel_loss
     correct = pred == lay.labels
     out = acceptance_metrics(correct, lay.valid)
     out["loss"] = loss
