@@ -429,3 +429,20 @@ def test_sampled_dflash2_speculative_matches_target_distribution(tmp_path):
         m2, m3 = joint12.sum(0), (joint12[..., None] * p3).sum((0, 1))
     tv = [float(0.5 * (counts[0] / N - m2).abs().sum()), float(0.5 * (counts[1] / N - m3).abs().sum())]
     assert max(tv) < 0.06, tv
+
+
+def test_tiny_dflash2_run_learns_the_stream_and_exports_for_the_reference(tiny_llama, tmp_path):
+    """The same trainer with model.architecture=dflash2: the selector-driven acceptance estimate reaches the block
+    on the predictable synthetic stream, validation's decoding tau follows, and the servable drafter loads into the
+    reference with no missing or unexpected keys."""
+    from dflash_train.training.trainer import train_single_device
+
+    cfg = load_config("tiny_cpu", [f"model.target={tiny_llama}", f"run.out_dir={tmp_path / 'run'}",
+                                   "train.max_steps=80", "train.log_every=10", "model.architecture=dflash2",
+                                   "model.selector_top_k=8", "model.selector_rank=16"])
+    res = train_single_device(cfg)
+    assert res.history[0]["tau_est"] < 4 and res.history[-1]["tau_est"] > 7.0   # B = 8
+    assert res.val_history[-1]["tau_decoding"] > 6.0
+    _, info = ref_dflash.DFlash2DraftModel.from_pretrained(str(res.drafter_dir), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert isinstance(load_drafter(res.drafter_dir), DFlash2Drafter)
