@@ -412,6 +412,7 @@ BAD_STRINGS = {
     "data.source": "chats.txt",
     "data.eval_prompts": "/nonexistent/prompts.jsonl",
     "data.cache_dir": "A_FILE",
+    "train.compile_cache_dir": "A_FILE",
     "run.out_dir": "A_FILE",
 }
 BAD_LISTS = {

@@ -231,6 +231,11 @@ class TrainConfig:
     seed: int = _f(0, "Seed for initialisation, data order and anchors.")
     compile: str = _f("auto", "Drafter step compile mode: eager | default | reduce-overhead | auto "
                               "(reduce-overhead on CUDA, eager on CPU).")
+    compile_cache_dir: str | None = _f(None, "Where torch.compile keeps what it compiled (inductor's FX graph and "
+                                             "AOT autograd caches, Triton kernels) across runs: a warm start loads "
+                                             "kernels instead of compiling them. Empty = TORCHINDUCTOR_CACHE_DIR if "
+                                             "set, else <data.cache_dir>/torch_compile (<out_dir>/../.cache/"
+                                             "torch_compile when data.cache_dir is empty).")
     attention: str = _f("auto", "Drafter training attention: sdpa (dense mask) | flex (BlockMask) | auto "
                                 "(flex on CUDA, sdpa on CPU).")
     dtype: str = _f("auto", "Compute dtype: bf16 | fp32 | auto (bf16 on CUDA, fp32 on CPU). Master weights stay fp32.")
@@ -307,6 +312,9 @@ class TrainConfig:
         if self.eval_every < 0 or self.eval_rows < 0:
             raise ConfigError("train.eval_every and train.eval_rows must be 0 (validation off) or positive "
                               f"(got {self.eval_every} and {self.eval_rows}).")
+        if self.compile_cache_dir is not None and Path(self.compile_cache_dir).expanduser().is_file():
+            raise ConfigError(f"train.compile_cache_dir {self.compile_cache_dir!r} is a file, not a directory; "
+                              "choose another train.compile_cache_dir, or leave it empty.")
         if len(self.betas) != 2:
             raise ConfigError("train.betas must be a list of two floats, e.g. [0.9, 0.95].")
         if not 0.0 <= self.kd_weight <= 1.0:

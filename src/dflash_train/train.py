@@ -16,6 +16,9 @@ log = logging.getLogger("dflash_train")
 def train(cfg: Config, single: bool = False):
     """-> TrainResult (PipelineResult for the pipeline) with `.measured` set to the EvalReport summary of the
     measurement after training (None when train.final_eval_prompts is 0, or on ranks other than 0)."""
+    from .training.startup import use_compile_cache
+
+    use_compile_cache(cfg)  # first: importing the stages below imports inductor, which settles on a directory
     from .models.checkpoint import load_drafter_config, serve_commands
     from .pipeline.coordinator import run_log_file, train_pipeline
     from .pipeline.devices import resolve_pipeline_devices

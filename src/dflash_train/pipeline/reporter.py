@@ -12,6 +12,7 @@ import time
 
 from ..training.checkpointing import CheckpointManager
 from ..training.metrics import MetricsLogger
+from ..training.startup import log_first_step
 from ..training.validation import Validator
 from .worker import Worker
 
@@ -23,6 +24,7 @@ class StepReporter:
         self.logger, self.ckpt, self.checkpoint_every = logger, ckpt, checkpoint_every
         self.validator = validator
         self._validated = -1  # the last step validated
+        self._stepped = False  # the first step of this process is logged with the start-up time
         self.total_steps, self.batches_per_step = total_steps, batches_per_step
         self.batch_queue, self.feats_queue = batch_queue, feats_queue
         self.targets, self.drafters = targets, drafters
@@ -60,6 +62,9 @@ class StepReporter:
         return self._fractions(self._t0, self._seen0)[0]
 
     def on_step(self, worker, step: int, metrics: dict | None) -> None:
+        if not self._stepped:
+            self._stepped = True
+            log_first_step(step)
         if metrics is not None:
             extra, self._seen = self._fractions(self._t, self._seen)
             self._t = time.perf_counter()

@@ -48,7 +48,7 @@ LOCK_NAME = ".lock"
 RESUMABLE_SECTIONS = {"run"}
 RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.max_minutes", "train.log_every", "train.checkpoint_every",
                   "train.keep_checkpoints", "train.eval_every", "train.nonfinite", "pipeline.stall_timeout_s",
-                  "pipeline.queue_depth", "pipeline.grad_reduce", "model.target_graphs"}
+                  "pipeline.queue_depth", "pipeline.grad_reduce", "model.target_graphs", "train.compile_cache_dir"}
 _QUIET_KEYS = {"run.resume", "run.overwrite"}  # always differ when resuming (never -> auto): not worth a log line
 _MARKERS = (RUN_CONFIG_NAME, RUN_ID_NAME, "checkpoints", "drafter", "metrics.jsonl")  # "a run was started here"
 

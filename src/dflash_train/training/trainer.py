@@ -21,6 +21,7 @@ from .metrics import MetricsLogger, StepWindow
 from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
 from .run import RunSetup, build_run, hold_run_dir
+from .startup import log_first_step
 from .step import DrafterStep
 from .validation import Validator, build_validation_rows
 
@@ -85,6 +86,8 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
                 window.add(step_fn(b, feats))
                 update(step + 1)
                 step += 1
+                if step == start_step + 1:
+                    log_first_step(step)
                 stop = budget.should_stop(step)
                 if logger.should_log(step) or stop:  # a time-budget stop logs its last window too (log, plots)
                     logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
