@@ -72,15 +72,15 @@ class ModelConfig:
         if self.target_attention not in ("sdpa", "flex", "auto"):
             raise ConfigError("model.target_attention must be one of sdpa, flex, auto "
                               f"(got {self.target_attention!r}).")
+        if self.block_size < 2:
+            raise ConfigError(f"model.block_size must be at least 2 (got {self.block_size}): a block is the "
+                              "anchor token plus at least one drafted token.")
         if self.architecture not in ("dflash", "dflash2"):
             raise ConfigError(f"model.architecture must be dflash or dflash2 (got {self.architecture!r}).")
         for key in ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank"):
             _require(getattr(self, key) >= 1, f"model.{key}", getattr(self, key), "at least 1")
         _require(self.conv_kernel_size <= self.block_size, "model.conv_kernel_size", self.conv_kernel_size,
                  f"at most model.block_size ({self.block_size}): a tap reads within the block")
-        if self.block_size < 2:
-            raise ConfigError(f"model.block_size must be at least 2 (got {self.block_size}): a block is the "
-                              "anchor token plus at least one drafted token.")
         if self.num_feature_layers < 1:
             raise ConfigError("model.num_feature_layers must be at least 1.")
         if self.num_draft_layers is not None and self.num_draft_layers < 1:
