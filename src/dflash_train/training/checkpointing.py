@@ -153,7 +153,7 @@ class HostCopier:
     CUDA tensors go into pinned buffers, kept from one save to the next (the previous write is complete before the
     next copy starts, so a buffer is never overwritten while it is read), with non-blocking copies on a side stream
     that first waits for the work already queued on the caller's stream. `finish()` makes the caller's stream wait
-    for the copies (later in-place updates of the weights and moments cannot race them) and returns the event the
+    for the copies (later in-place updates of the weights and moments cannot race them) and returns the events the
     writer synchronises on before it reads a buffer. CPU tensors are cloned."""
 
     def __init__(self):
@@ -297,9 +297,9 @@ class CheckpointManager:
         name = f"step_{job.step:08d}"
         final = self.root / name
         tmp = self.root / f".{name}.tmp"
-        for event in job.copied:  # the host buffers are filled once their side-stream copies are done
-            event.synchronize()
         try:
+            for event in job.copied:  # the host buffers are filled once their side-stream copies are done
+                event.synchronize()
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             save_drafter(job.drafter, tmp)
