@@ -54,6 +54,16 @@ def tiny_qwen3(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """The embedded SmolLM2 GGUF converted once into a Hugging Face directory, as the demo does (that the logits stay
+    identical is tests/test_demo.py's). Every GGUF parse dequantizes all tensors and rebuilds the tokenizer: the
+    real-model tests share this one."""
+    from dflash_train.demo import local_embedded_target
+
+    return local_embedded_target(tmp_path_factory.mktemp("smollm2_cache"))
+
+
 @pytest.fixture(params=["llama", "qwen3"])
 def tiny_target(request, tiny_llama, tiny_qwen3):
     return {"llama": tiny_llama, "qwen3": tiny_qwen3}[request.param]

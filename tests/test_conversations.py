@@ -58,8 +58,8 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer(None)
+def tok(smollm2_dir):
+    return load_tokenizer(str(smollm2_dir))
 
 
 def _with_template(tok, template):

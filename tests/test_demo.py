@@ -321,15 +321,15 @@ def test_read_done_ids_ignores_garbage(tmp_path):
 # ------------------------------------------------------------------------------------------ the real SmolLM2
 
 @pytest.mark.slow
-def test_embedded_target_conversion_is_exact_and_regenerates(tmp_path):
+def test_embedded_target_conversion_is_exact_and_regenerates(tmp_path, smollm2_dir):
     """The demo's one-time GGUF -> HF directory conversion keeps the logits bit-identical; the converted target
     regenerates a real ShareGPT conversation with its own chat template and stops at its end-of-turn token."""
     from dflash_train.data.regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
     from dflash_train.demo import local_embedded_target
     from dflash_train.models.target import load_causal_lm, load_target
 
-    local = local_embedded_target(tmp_path / "cache")
-    assert local_embedded_target(tmp_path / "cache") == local  # converted once
+    local = smollm2_dir
+    assert local_embedded_target(local.parent) == local  # converted once
     ids = torch.tensor([[1, 540, 2017, 314, 253, 1695, 30]])
     with torch.no_grad():
         a = load_target(None, [0], truncate=False).hf(ids).logits

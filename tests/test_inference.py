@@ -481,18 +481,18 @@ def test_evaluate_rejects_truncated_target_and_other_taps(tiny_llama):
 # ------------------------------------------------------------------------------------------ real SmolLM2
 
 @pytest.mark.slow
-def test_eval_on_smollm2_random_drafter_is_lossless():
-    """The real embedded SmolLM2 (GGUF) with a random drafter: chat-template prompts, greedy, lossless. The CLI
-    path is covered on the tiny target; here each GGUF parse costs seconds, so the target is read once."""
+def test_eval_on_smollm2_random_drafter_is_lossless(smollm2_dir):
+    """The real SmolLM2 (the embedded GGUF, converted once) with a random drafter: chat-template prompts, greedy,
+    lossless. The CLI path is covered on the tiny target."""
     from dflash_train.inference.benchmark import stop_token_ids
     from dflash_train.inference.prompts import Prompt, tokenize_prompts
     from dflash_train.models.target import default_layer_ids, load_tokenizer
 
-    t = load_target(None, default_layer_ids(30, 5), truncate=False)
+    t = load_target(str(smollm2_dir), default_layer_ids(30, 5), truncate=False)
     torch.manual_seed(0)
     drafter = build_drafter(ModelConfig(target_layer_ids=t.layer_ids, block_size=4, num_draft_layers=1,
                                         mask_token_id=t.info.vocab_size - 1), t.info)
-    tok = load_tokenizer(None)
+    tok = load_tokenizer(str(smollm2_dir))
     prompts = tokenize_prompts([Prompt("messages", [{"role": "user", "content": "What is 2 + 2?"}]),
                                 Prompt("text", "The capital of France is")], tok)
     assert prompts[0][-3:] == tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"][-3:]
