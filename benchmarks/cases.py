@@ -20,6 +20,7 @@ from dflash_train.config import TrainConfig
 from dflash_train.data.packing import Sample, make_batch, pack_samples
 from dflash_train.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.models.target import GraphedFeatures, TargetInfo, TargetModel, default_layer_ids
+from dflash_train.training.cudagraphs import configure_cudagraphs
 from dflash_train.training.flops import drafter_step_flops, target_forward_flops, visible_pairs
 from dflash_train.training.objective import block_layout, default_gamma, dense_block_mask, position_weights, sdpa_attend
 from dflash_train.training.optim import Updater, build_optimizer, build_scheduler
@@ -331,6 +332,7 @@ def bench_target(ctx: Context):
         def compiled(T=T):
             target, ids, pos, doc, row = inputs(T)
             if "target_compiled" not in ctx.cache:
+                configure_cudagraphs()  # the training's compile policy (training/cudagraphs.py)
                 kw = {"backend": s.compile_backend} if s.compile_backend else {}
                 ctx.cache["target_compiled"] = torch.compile(target.features, dynamic=False, **kw)
             fn = ctx.cache["target_compiled"]

@@ -205,15 +205,28 @@ def test_log_window_estimate_covers_every_block_of_the_window():
         window.take()                                    # taken: the next window starts empty
 
 
-def test_compile_policy_is_applied_on_import():
-    """Trees off (worker threads) and donated buffers off (correct grads under per-function CUDA graphs)."""
+def test_importing_changes_no_compile_setting_and_a_compiled_step_applies_the_policy(tiny_llama):
+    """Importing the package's modules leaves torch's compile settings alone; a step that compiles first applies the
+    policy (trees off for worker threads, donated buffers off for correct grads under per-function CUDA graphs)."""
+    probe = ("import torch._inductor.config as c, torch._functorch.config as f\n"
+             "before = (c.triton.cudagraph_trees, f.donated_buffer)\n"
+             "import dflash_train.cli, dflash_train.train, dflash_train.demo, dflash_train.training.step\n"
+             "import dflash_train.training.trainer, dflash_train.pipeline.coordinator, dflash_train.training.objective\n"
+             "print(before == (c.triton.cudagraph_trees, f.donated_buffer), before)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)  # hang guard
+    assert out.stdout.startswith("True (True, True)"), out.stdout + out.stderr
+
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    import dflash_train.training.step  # noqa: F401
+    from dflash_train.training.step import DrafterStep
 
-    assert inductor_config.triton.cudagraph_trees is False
-    assert functorch_config.donated_buffer is False
+    cfg = load_config(None, [f"model.target={tiny_llama}", "model.mask_token_id=127", "train.compile=default"])
+    drafter = build_drafter(cfg.model, target_config_info(tiny_llama))
+    inductor_config.triton.cudagraph_trees, functorch_config.donated_buffer = True, True  # torch's defaults
+    DrafterStep(drafter, torch.zeros(128, drafter.config.hidden_size), torch.zeros(128, drafter.config.hidden_size),
+                cfg.train, torch.device("cpu"))
+    assert inductor_config.triton.cudagraph_trees is False and functorch_config.donated_buffer is False
 
 
 def test_fresh_drafter_output_gain_matches_the_head(tiny_llama, tmp_path):

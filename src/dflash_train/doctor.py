@@ -140,8 +140,9 @@ def check_cudagraph_policy() -> Check:
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    from .training import step  # noqa: F401 - importing it applies the policy (training/cudagraphs.py)
+    from .training.cudagraphs import configure_cudagraphs
 
+    configure_cudagraphs()  # what every training entry point and compiled step applies first
     trees, donated = inductor_config.triton.cudagraph_trees, functorch_config.donated_buffer
     detail = f"cudagraph_trees={trees}, donated_buffer={donated}"
     if trees:

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..models.drafter import AttendFn, DFlashDrafter
 from ..models.flex import FLEX_TILE, ordered_tiles
+from .cudagraphs import configure_cudagraphs
 from .selector import selector_objective
 
 
@@ -186,6 +187,7 @@ def _flex_impl(device: torch.device):
         return _flex_block_attention
     with _compiled_flex_lock:
         if _compiled_flex is None:
+            configure_cudagraphs()  # the process's compile policy, before its first compile (training/cudagraphs.py)
             _compiled_flex = torch.compile(_flex_block_attention, dynamic=False, fullgraph=True)
     return _compiled_flex
 

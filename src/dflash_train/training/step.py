@@ -1,9 +1,9 @@
 """One drafter training step (forward + backward), optionally compiled; the optimizer step lives with the caller.
 
-CUDAGraph Trees keep thread-local state that plain `threading.Thread` workers never get, so importing this module
-turns them off (before any compile): `reduce-overhead` then falls back to per-function CUDA graphs, which work in
-any thread (training/cudagraphs.py also turns off AOTAutograd's donated buffers, without which those graphs
-computed wrong gradients on torch 2.11). Those graphs remember the parameter addresses of the first module they were captured with, so every
+CUDAGraph Trees keep thread-local state that plain `threading.Thread` workers never get, so a step turns them off
+right before it compiles (training/cudagraphs.py, configure_cudagraphs; the training entry points call it at start-up
+too): `reduce-overhead` then falls back to per-function CUDA graphs, which work in any thread (the same call turns off
+AOTAutograd's donated buffers, without which those graphs computed wrong gradients on torch 2.11). Those graphs remember the parameter addresses of the first module they were captured with, so every
 replica gets a step function with its own code object (`_fresh_function`), i.e. its own compile cache and graph.
 
 The frozen target embedding and LM head reach the compiled function as arguments. A plain tensor argument is a
@@ -23,8 +23,6 @@ from ..config import TrainConfig
 from ..models.drafter import DFlashDrafter
 from .cudagraphs import configure_cudagraphs
 from .objective import default_gamma, dflash_loss
-
-configure_cudagraphs()  # trees off, donated buffers off: before any compile (see training/cudagraphs.py)
 
 # What a step hands back: summed over a log window (metrics.StepWindow) and averaged over replicas at log steps; the
 # acceptance ratios (acc@k, tau estimate) are derived from the summed counts only when a line is logged.
@@ -105,6 +103,7 @@ class DrafterStep:
     def _compiled(self, fn, backend: str | None):
         if self.compile_mode == "eager":
             return fn
+        configure_cudagraphs()  # trees off, donated buffers off: before this compile (training/cudagraphs.py)
         if backend is not None:
             return torch.compile(fn, backend=backend, dynamic=False, fullgraph=False)
         return torch.compile(fn, mode=None if self.compile_mode == "default" else self.compile_mode,
