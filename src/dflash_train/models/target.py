@@ -395,6 +395,3 @@ def target_config_info(target: str | None) -> TargetInfo:
     except Exception as e:  # noqa: BLE001
         raise TargetError(_damaged_weights(path) or f"Could not read a model config from {str(path)!r}: {e}") from e
     return TargetInfo.from_config(cfg)
-
-
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
