@@ -64,6 +64,23 @@ def smollm2_dir(tmp_path_factory):
     return local_embedded_target(tmp_path_factory.mktemp("smollm2_cache"))
 
 
+@pytest.fixture(scope="session")
+def biased_llama(tmp_path_factory):
+    """A tiny Llama whose greedy choice is token 0 or token 1 (by the sign of one hidden unit): a drafter that
+    always proposes 0 then sees accepted runs of every length and rejections, exercising the cache crops."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_target(tmp_path_factory.mktemp("biased"), "llama")
+    hf = AutoModelForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        hf.model.norm.weight.zero_()
+        hf.model.norm.weight[0] = 1.0
+        hf.lm_head.weight[:, 0] = 0.0
+        hf.lm_head.weight[0, 0], hf.lm_head.weight[1, 0] = 10.0, -10.0
+    hf.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(params=["llama", "qwen3"])
 def tiny_target(request, tiny_llama, tiny_qwen3):
     return {"llama": tiny_llama, "qwen3": tiny_qwen3}[request.param]

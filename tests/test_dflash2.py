@@ -46,22 +46,6 @@ def make_drafter2(target, *over, seed: int = 0, jitter: float = 0.1) -> DFlash2D
     return drafter
 
 
-@pytest.fixture(scope="module")
-def biased_llama(tmp_path_factory):
-    """A tiny Llama whose greedy choice is token 0 or 1 (by the sign of one hidden unit), as in test_export.py."""
-    from transformers import AutoModelForCausalLM
-
-    path = make_tiny_target(tmp_path_factory.mktemp("biased2"), "llama")
-    hf = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        hf.model.norm.weight.zero_()
-        hf.model.norm.weight[0] = 1.0
-        hf.lm_head.weight[:, 0] = 0.0
-        hf.lm_head.weight[0, 0], hf.lm_head.weight[1, 0] = 10.0, -10.0
-    hf.save_pretrained(path)
-    return path
-
-
 def coin_drafter(drafter: DFlash2Drafter) -> DFlash2Drafter:
     """Final norm gain on hidden unit 0 only: with the biased target's head the drafter's top candidate is token 0 or
     1 (the sign of that unit), far above the rest; drafts are then sometimes accepted, sometimes not."""

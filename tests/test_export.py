@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import RUN_HANG_GUARD_S, make_tiny_target
+from conftest import RUN_HANG_GUARD_S
 from dflash_train.config import ConfigError, load_config
 from dflash_train.models.build import build_drafter, resolve_layer_ids
 from dflash_train.models.checkpoint import (TRAINING_WEIGHTS_NAME, CheckpointError, load_drafter, save_drafter)
@@ -26,23 +26,6 @@ from dflash_train.training.objective import sdpa_attend
 
 B = 4          # block size of the test drafters
 N_NEW = 40     # tokens generated in the generation tests
-
-
-@pytest.fixture(scope="module")
-def biased_llama(tmp_path_factory):
-    """A tiny Llama whose greedy choice is token 0 or token 1 (by the sign of one hidden unit): a drafter that
-    always proposes 0 then sees accepted runs of every length and rejections, exercising the cache crops."""
-    from transformers import AutoModelForCausalLM
-
-    path = make_tiny_target(tmp_path_factory.mktemp("biased"), "llama")
-    hf = AutoModelForCausalLM.from_pretrained(path)
-    with torch.no_grad():
-        hf.model.norm.weight.zero_()
-        hf.model.norm.weight[0] = 1.0
-        hf.lm_head.weight[:, 0] = 0.0
-        hf.lm_head.weight[0, 0], hf.lm_head.weight[1, 0] = 10.0, -10.0
-    hf.save_pretrained(path)
-    return path
 
 
 def make_drafter(target, *over):
