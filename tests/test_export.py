@@ -9,7 +9,6 @@ import logging
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -252,8 +251,6 @@ def test_explicit_taps_that_no_engine_can_capture_are_refused(ids, needle):
 
 def test_mask_token_text_is_exported_when_the_tokenizer_has_it(tiny_llama, tmp_path):
     from tiny_chat import make_byte_tokenizer
-
-    from dflash_train.models.checkpoint import load_drafter_config
 
     tok = make_byte_tokenizer()
     cfg = load_config(None, [f"model.target={tiny_llama}", "model.mask_token_id=5", "model.target_layer_ids=[1]"])
