@@ -247,7 +247,7 @@ def bench_generate(ctx: Context):
     its own reply ends (the tokens counted are the replies' own in both)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_train.data.regenerate import LOOKAHEAD_BATCHES
+    from dflash_train.generation.regenerate import LOOKAHEAD_BATCHES
     from dflash_train.generation.engine import Engine, Request
     from dflash_train.inference.baseline import BatchGenerator
 

@@ -12,7 +12,7 @@ import torch
 from dflash_train.cli import main
 from dflash_train.config import ConfigError, DataConfig, load_config
 from dflash_train.data.conversations import load_chat_dataset
-from dflash_train.data.regenerate import read_done_ids
+from dflash_train.generation.regenerate import read_done_ids
 from dflash_train.data.sources import iter_conversations
 from dflash_train.models.target import load_tokenizer
 from dflash_train.training.plots import write_training_plots
@@ -90,7 +90,7 @@ def test_regenerate_batch_size_auto_and_errors(chat_target, tmp_path, capsys):
     """--batch-size auto sizes the batch from the KV cache per row and the free memory; a bad value is one sentence,
     before any model loads."""
     from dflash_train.cli import main
-    from dflash_train.data.regenerate import MAX_AUTO_BATCH, auto_batch_size
+    from dflash_train.generation.regenerate import MAX_AUTO_BATCH, auto_batch_size
 
     smollm2_kv = 2 * 30 * 3 * 64 * 2          # bytes per token: 2 (K, V) x layers x kv heads x head dim x bf16
     qwen3_8b_kv = 2 * 36 * 8 * 128 * 2
@@ -125,7 +125,7 @@ def test_regenerate_on_several_devices_writes_what_one_device_writes(chat_target
 
 
 def test_a_failing_replica_stops_regeneration_and_is_named(chat_target, tmp_path, monkeypatch):
-    from dflash_train.data.regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
+    from dflash_train.generation.regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
     from dflash_train.generation.engine import Engine
     from dflash_train.models.target import load_causal_lm
 
@@ -196,6 +196,7 @@ def test_regenerate_single_turn_and_too_long(chat_target, tmp_path):
 
 
 def test_train_with_data_regenerate(chat_target, tmp_path):
+    from dflash_train.generation.regenerate import regenerate_for_run
     from dflash_train.training.trainer import train_single_device
 
     data = write_chats(tmp_path / "chats.jsonl", 60, turns=2)
@@ -204,7 +205,7 @@ def test_train_with_data_regenerate(chat_target, tmp_path):
                                    "data.regenerate_max_new_tokens=6", "data.max_samples=20",
                                    "data.heldout_fraction=0.2", "data.heldout_max=3", "train.max_steps=3",
                                    f"run.out_dir={out}"])
-    res = train_single_device(cfg)
+    res = train_single_device(cfg, regenerate=regenerate_for_run)
     recs = _records(out / "regenerated.jsonl")
     assert res.steps == 3 and len(recs) == 23  # 20 regenerated training chats + 3 held-out ones copied unchanged
     with pytest.raises(ConfigError, match="needs chat data"):
@@ -324,7 +325,7 @@ def test_read_done_ids_ignores_garbage(tmp_path):
 def test_embedded_target_conversion_is_exact_and_regenerates(tmp_path, smollm2_dir):
     """The demo's one-time GGUF -> HF directory conversion keeps the logits bit-identical; the converted target
     regenerates a real ShareGPT conversation with its own chat template and stops at its end-of-turn token."""
-    from dflash_train.data.regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
+    from dflash_train.generation.regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
     from dflash_train.demo import local_embedded_target
     from dflash_train.models.target import load_causal_lm, load_target
 

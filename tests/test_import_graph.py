@@ -6,7 +6,7 @@ Layers, lowest first (a module imports from its own package and from lower layer
 its runners (it drafts with the objective's block attention); `generation` is batched decoding for regeneration
 and self-written prompts. A function-local import is not an edge of the module graph; one that would close a cycle
 if it were made at module level exists to dodge that cycle, and one that points at a higher layer is an upward edge
-hidden inside a function: both are listed by the xfail tests below until they are gone.
+hidden inside a function: the tests below allow neither.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = "dflash_train"
@@ -216,27 +215,16 @@ def test_layer_checks_see_an_upward_and_a_dodging_import():
     assert not _reaches(graph, "dflash_train.training.objective", "dflash_train.data.packing")
 
 
-# Computed at collection so the xfail reason lists what is left; strict: once they are gone the mark must go too.
-_UPWARD = upward_edges(import_graph())
-_DODGING = cycle_dodging_imports(import_graph())
-_LOCAL_UPWARD = local_upward_imports()
-
-
-@pytest.mark.xfail(bool(_UPWARD), strict=True, reason="module-level upward imports left (issue 19): " + "; ".join(_UPWARD))
 def test_no_upward_edges():
     up = upward_edges(import_graph())
     assert not up, "imports from a higher layer: " + "; ".join(up)
 
 
-@pytest.mark.xfail(bool(_DODGING), strict=True,
-                   reason="function-local imports that dodge a cycle (issue 19): " + "; ".join(_DODGING))
 def test_no_function_local_import_dodges_a_cycle():
     dodging = cycle_dodging_imports(import_graph())
     assert not dodging, "function-local imports that would close a cycle at module level: " + "; ".join(dodging)
 
 
-@pytest.mark.xfail(bool(_LOCAL_UPWARD), strict=True,
-                   reason="function-local upward imports left (issue 19): " + "; ".join(_LOCAL_UPWARD))
 def test_no_function_local_upward_imports():
     up = local_upward_imports()
     assert not up, "function-local imports from a higher layer: " + "; ".join(up)

@@ -17,7 +17,7 @@ import torch
 from conftest import make_tiny_target
 from dflash_train.cli import main
 from dflash_train.config import ModelConfig
-from dflash_train.data.regenerate import RegenerateSettings, RegenerateStats, Regenerator
+from dflash_train.generation.regenerate import RegenerateSettings, RegenerateStats, Regenerator
 from dflash_train.data.sources import Conversation
 from dflash_train.inference.baseline import BatchGenerator, generate_batch, target_generate
 from dflash_train.inference.benchmark import ModelMismatchError, evaluate

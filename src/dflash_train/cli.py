@@ -51,7 +51,7 @@ def check_paths(cfg) -> None:
     from .data.sources import check_source
     from .inference.prompts import read_prompt_file
     from .models.target import resolve_target_path
-    from .pipeline.devices import resolve_pipeline_devices
+    from .devices import resolve_pipeline_devices
 
     resolve_target_path(cfg.model.target)
     if cfg.model.drafter_init is not None and not Path(cfg.model.drafter_init).expanduser().is_dir():
@@ -70,9 +70,79 @@ def cmd_eval(args) -> int:
     return run_eval_cli(args)
 
 
+def parse_devices(spec: str) -> list:
+    """--device: 'auto', 'all' (every visible GPU, else the CPU), or a comma-separated list ('cuda:0,cuda:1')."""
+    import torch
+
+    from .devices import parse_device
+
+    if spec.strip() == "all":
+        n = torch.cuda.device_count()
+        return [torch.device("cuda", i) for i in range(n)] if n else [torch.device("cpu")]
+    names = [x for x in spec.split(",") if x.strip()]
+    if not names:
+        raise UserError("--device is empty; use 'auto', 'all', 'cpu', 'cuda:N' or a comma-separated list of them.")
+    return [parse_device(x, "--device") for x in names]
+
+
 def cmd_regenerate(args) -> int:
-    from .data.regenerate import run_regenerate_cli
-    return run_regenerate_cli(args)
+    """`dflash-train regenerate`: the target rewrites a chat dataset's answers (generation/regenerate.py)."""
+    from collections import Counter
+
+    from .data.sources import DataError, open_source
+    from .generation.regenerate import (RegenerateSettings, select_source_records, batch_size_for, check_settings,
+                                        parse_batch_size, regenerate_dataset)
+    from .models.target import load_causal_lm, load_tokenizer
+    from .pipeline.worker import RunControl, signal_exit_code, stop_on_signals
+
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens must be at least 1.")
+    if args.temperature < 0:
+        raise UserError("--temperature must be 0 (greedy) or positive.")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise UserError("--max-samples must be at least 1.")
+    if args.samples < 1:
+        raise UserError("--samples must be at least 1.")
+    if args.max_length < 2:
+        raise UserError(f"--max-length must be at least 2 tokens (got {args.max_length}).")
+    if args.samples > 1 and args.temperature <= 0:
+        raise UserError(f"--samples {args.samples} needs --temperature > 0 (greedy answers are all the same), "
+                        "e.g. --temperature 1.0.")
+    fixed_batch = parse_batch_size(args.batch_size)
+    out_path = Path(args.out)
+    if out_path.suffix != ".jsonl":
+        raise UserError(f"--out {args.out!r} must be a .jsonl file (one conversation per line).")
+    if out_path.is_dir():
+        raise UserError(f"--out {args.out!r} is a directory; name a .jsonl file, e.g. {args.out.rstrip('/')}/regen.jsonl.")
+    if args.data == "synthetic":
+        raise DataError("regenerate needs chat data: pass --data sharegpt or a .json/.jsonl chat file.")
+    settings = RegenerateSettings(source=args.data, target=str(args.target or "smollm2"),
+                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                  single_turn=args.single_turn, max_length=args.max_length, seed=args.seed,
+                                  samples=args.samples)
+    with open_source(args.data):  # a bad --data fails here, before the model loads
+        pass
+    check_settings(out_path, settings, replace=False)
+    devices = parse_devices(args.device)
+    tokenizer = load_tokenizer(args.target)
+    models = [load_causal_lm(args.target, d) for d in devices]
+    batch = fixed_batch or batch_size_for(models, args.max_length)
+    log.info(f"regenerate: {batch} conversations per batch on each of {len(models)} device(s)")
+    counts: Counter = Counter()
+    control = RunControl()
+    with stop_on_signals(control, "the next check; replies in flight are dropped (a rerun regenerates them)"):
+        stats = regenerate_dataset(models, tokenizer, select_source_records(args.data, args.max_samples, counts), out_path,
+                                   settings, batch, total=args.max_samples, stop=control.stop)
+    skipped = {k.removeprefix("skip:"): n for k, n in counts.items() if k.startswith("skip:")}
+    if skipped:
+        log.info("source records skipped as unusable: " + ", ".join(f"{k}={n}" for k, n in sorted(skipped.items())))
+    print(stats.line())
+    if control.interrupted:
+        print(f"stopped by {control.interrupted}: {out_path} holds every finished conversation; rerun the same "
+              "command to resume")
+        return signal_exit_code(control.interrupted)
+    print(f"wrote {out_path} (train on it with data.source={out_path})")
+    return 0
 
 
 def cmd_demo(args) -> int:

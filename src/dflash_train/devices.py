@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .config import ConfigError
+from .config import ConfigError, PipelineConfig
 
 
 def parse_device(name: str | int, source: str) -> torch.device:
@@ -33,3 +33,18 @@ def parse_device(name: str | int, source: str) -> torch.device:
     elif dev.type != "cpu":
         raise ConfigError(f"{source} entry {name!r}: only 'cpu' and CUDA devices are supported.")
     return dev
+
+
+def resolve_pipeline_devices(cfg: PipelineConfig) -> tuple[list[torch.device], list[torch.device]]:
+    """(target devices, drafter devices). One drafter replica per CUDA device (each captures its own CUDA graphs
+    on its device); CPU may repeat, which is how the tests run several replicas on one machine."""
+    targets = [parse_device(d, "pipeline.target_devices") for d in cfg.target_devices]
+    drafters = [parse_device(d, "pipeline.drafter_devices") for d in cfg.drafter_devices]
+    cuda = [d for d in drafters if d.type == "cuda"]
+    if len(set(cuda)) != len(cuda):
+        raise ConfigError(f"pipeline.drafter_devices {[str(d) for d in drafters]} repeats a CUDA device; use one "
+                          "drafter replica per GPU.")
+    if len({d.type for d in drafters}) > 1:
+        raise ConfigError("pipeline.drafter_devices mixes CPU and CUDA devices; replicas must be on the same kind of "
+                          "device to stay bit-identical.")
+    return targets, drafters

@@ -24,10 +24,12 @@ def train(cfg: Config, single: bool = False):
     configure_cudagraphs()  # the compile policy for steps in worker threads, before anything compiles
     from .models.checkpoint import load_drafter_config, serve_commands
     from .pipeline.coordinator import run_log_file, train_pipeline
-    from .pipeline.devices import resolve_pipeline_devices
+    from .devices import resolve_pipeline_devices
     from .training.trainer import train_single_device
 
-    result = train_single_device(cfg) if single else train_pipeline(cfg)
+    from .generation.regenerate import regenerate_for_run
+
+    result = train_single_device(cfg, regenerate=regenerate_for_run) if single else train_pipeline(cfg)
     if int(os.environ.get("RANK", "0")) != 0:
         return result
     with run_log_file(Path(result.out_dir)):  # appended to the run's log, after training's own lines

@@ -24,8 +24,7 @@ import jinja2
 import numpy as np
 
 from ..config import DataConfig
-from .dataset import DatasetSplit
-from .packing import Sample
+from .packing import DatasetSplit, Sample
 from .progress import progress_bar
 from .sources import SOURCE_HINT, Conversation, DataError, iter_conversations, open_source
 

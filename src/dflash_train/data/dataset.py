@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 
 from ..config import DataConfig
-from .packing import Sample
+from .conversations import load_chat_dataset
+from .packing import DatasetSplit, Sample
 from .synthetic import synthetic_samples
 
 log = logging.getLogger("dflash_train")
-
-
-@dataclass
-class DatasetSplit:
-    train: list[Sample]
-    heldout: list[Sample]
-    # held-out conversations as chat messages (prompts for evaluation); empty for the synthetic source
-    heldout_messages: list[list[dict]] = field(default_factory=list)
-    stats: dict = field(default_factory=dict)
 
 
 def load_dataset(cfg: DataConfig, tokenizer=None, seed: int = 0, cache_dir: str | None = None) -> DatasetSplit:
@@ -35,7 +26,6 @@ def load_dataset(cfg: DataConfig, tokenizer=None, seed: int = 0, cache_dir: str 
         if cfg.max_samples:
             train = train[: cfg.max_samples]
         return DatasetSplit(train=train, heldout=samples[:n_held], stats={"source": "synthetic"})
-    from .conversations import load_chat_dataset  # tokenizer-dependent path
 
     return load_chat_dataset(cfg, tokenizer, seed=seed, cache_dir=cache_dir)
 
@@ -62,7 +52,6 @@ def load_mix(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str | None = 
     too), then source i contributes counts[i] training conversations (mix_counts of the weights, or of the sources'
     sizes when the entries have none), its first ones, cycled when it holds fewer. The run trains on the
     concatenation (every epoch shuffles it). One log line per source: conversations, unique tokens, share."""
-    from .conversations import load_chat_dataset
 
     entries = cfg.mix_weights()
     weighted = entries[0][1] is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import random
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -48,6 +48,15 @@ class Sample:
     def __post_init__(self):
         if len(self.input_ids) != len(self.loss_mask):
             raise ValueError("input_ids and loss_mask must have the same length")
+
+
+@dataclass
+class DatasetSplit:
+    train: list[Sample]
+    heldout: list[Sample]
+    # held-out conversations as chat messages (prompts for evaluation); empty for the synthetic source
+    heldout_messages: list[list[dict]] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
 
 
 @dataclass

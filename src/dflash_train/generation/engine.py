@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..inference.attention import restore_sdpa, use_packed_gqa
-from ..inference.cuda_graph import GraphedStep, resolve_graphs
+from ..models.cuda_graph import GraphedStep, resolve_graphs
 from ..inference.decoding import device_sync
 from ..inference.target_runner import StaticKVCache, cache_kwarg_name
 from ..models.target import TargetInfo

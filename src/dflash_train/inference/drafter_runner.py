@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..models.drafter import DFlashDrafter, RotaryEmbedding
 from ..models.target import TargetModel
 from ..training.objective import sdpa_attend
-from .cuda_graph import GraphedStep, resolve_graphs
+from ..models.cuda_graph import GraphedStep, resolve_graphs
 
 
 class DrafterRunner:

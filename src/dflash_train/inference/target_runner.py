@@ -26,7 +26,7 @@ import torch
 
 from ..models.target import TargetInfo, TargetModel
 from .attention import restore_sdpa, use_packed_gqa
-from .cuda_graph import GraphedStep, resolve_graphs
+from ..models.cuda_graph import GraphedStep, resolve_graphs
 
 # model_fn(ids [b, q], pos [b, q], mask [b, 1, q, L], cache_kwargs, keep) -> (logits [b, keep, V], feats or None)
 ModelFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]

@@ -21,16 +21,15 @@ Two ways to apply that mask (`model.target_attention`):
 
 from __future__ import annotations
 
-from ..errors import UserError
-
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..errors import UserError
+from .cuda_graph import GraphedStep
 from .flex import FLEX_TILE, ordered_tiles
 
 EMBEDDED_TARGET_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -367,7 +366,6 @@ class GraphedFeatures:
     BlockMask is built from doc_ids on the device too (doc_causal_block_mask: no host sync)."""
 
     def __init__(self, target: TargetModel, T: int, graphs: bool):
-        from ..inference.cuda_graph import GraphedStep
 
         dev = target.device
         self.T = T

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError
+from ..devices import resolve_pipeline_devices
+from ..generation.regenerate import regenerate_for_run
 from ..errors import UserError
 from ..models.checkpoint import save_drafter
 from ..models.build import init_output_norm
@@ -41,7 +43,7 @@ from ..training.run import build_run, hold_run_dir, prepare_out_dir
 from ..training.step import resolve_compile_mode
 from ..training.validation import Validator, build_validation_rows
 from ..training.trainer import TrainResult
-from .devices import cpu_threads_per_worker, resolve_pipeline_devices
+from .devices import cpu_threads_per_worker
 from .distributed import DistributedSync, config_fingerprint, faults_apply_here
 from .drafter_worker import DrafterWorker, RecompileGuard, weights_checksum
 from .faults import FaultPlan
@@ -93,7 +95,8 @@ class _Pipeline:
                  out_dir: Path):
         self.cfg, self.n, self.peers = cfg, len(drafter_devices), peers
         self.shard = DataShard(self.n, peers.rank, peers.world)
-        self.run_setup = build_run(cfg, batches_per_step=self.shard.global_replicas, out_dir=out_dir)
+        self.run_setup = build_run(cfg, batches_per_step=self.shard.global_replicas, out_dir=out_dir,
+                                   regenerate=regenerate_for_run)
         self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints)
         init, state = resume_point(cfg.run.resume, self.ckpt, self.run_setup.drafter)
         self.start_step = state["step"] if state else 0

@@ -1,4 +1,4 @@
-"""Device lists of the pipeline, CUDA streams and events (no-ops on CPU), and the CPU thread budget.
+"""CUDA streams and events (no-ops on CPU), and the CPU thread budget.
 
 Every GPU worker computes on a CUDA stream of its own (so a target and a drafter sharing one GPU overlap), and
 work crosses between streams only through events: `record_event` after the producer's work, `wait_event` on the
@@ -12,23 +12,6 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..config import ConfigError, PipelineConfig
-from ..devices import parse_device
-
-
-def resolve_pipeline_devices(cfg: PipelineConfig) -> tuple[list[torch.device], list[torch.device]]:
-    """(target devices, drafter devices). One drafter replica per CUDA device (each captures its own CUDA graphs
-    on its device); CPU may repeat, which is how the tests run several replicas on one machine."""
-    targets = [parse_device(d, "pipeline.target_devices") for d in cfg.target_devices]
-    drafters = [parse_device(d, "pipeline.drafter_devices") for d in cfg.drafter_devices]
-    cuda = [d for d in drafters if d.type == "cuda"]
-    if len(set(cuda)) != len(cuda):
-        raise ConfigError(f"pipeline.drafter_devices {[str(d) for d in drafters]} repeats a CUDA device; use one "
-                          "drafter replica per GPU.")
-    if len({d.type for d in drafters}) > 1:
-        raise ConfigError("pipeline.drafter_devices mixes CPU and CUDA devices; replicas must be on the same kind of "
-                          "device to stay bit-identical.")
-    return targets, drafters
 
 
 def cpu_threads_per_worker(devices: list[torch.device]) -> int | None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ..config import Config, ConfigError
-from ..data.dataset import DatasetSplit, load_dataset
+from ..data.dataset import load_dataset
+from ..data.packing import DatasetSplit
 from ..data.packing import BatchSchedule
 from ..models.build import build_drafter
 from ..models.checkpoint import load_drafter
@@ -22,6 +24,10 @@ from .rundir import RUN_CONFIG_NAME, hold_run_dir, prepare_out_dir, release_run_
 from .validation import EPOCHS_WARN, data_passes_line
 
 log = logging.getLogger("dflash_train")
+
+
+# (cfg, run directory, tokenizer) -> (the DataConfig that reads the regenerated data, the regeneration's stats)
+RegenerateFn = Callable[[Config, Path, object], tuple]
 
 
 @dataclass
@@ -38,13 +44,16 @@ class RunSetup:
     data_summary: dict  # conversations, unique/supervised tokens, epochs the steps amount to, share per source
 
 
-def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = None) -> RunSetup:
+def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = None,
+              regenerate: RegenerateFn | None = None) -> RunSetup:
     """out_dir: already made (and locked) by prepare_out_dir, else made and locked here, and unlocked again if the
-    setup fails (on success the caller's hold_run_dir scope unlocks it)."""
+    setup fails (on success the caller's hold_run_dir scope unlocks it). regenerate: data.regenerate's step
+    (generation.regenerate.regenerate_for_run), passed in by the layer that owns generation; needed when
+    cfg.data.regenerate is set."""
     if out_dir is None:
         out_dir = prepare_out_dir(cfg)
         try:
-            return build_run(cfg, batches_per_step, out_dir)
+            return build_run(cfg, batches_per_step, out_dir, regenerate)
         except BaseException:
             release_run_dir(out_dir)
             raise
@@ -56,8 +65,9 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
     cache = cfg.data.cache_dir or str(out.parent / ".cache")
     data_cfg = cfg.data
     if cfg.data.regenerate:  # the target rewrites the answers first; training then reads <out>/regenerated.jsonl
-        from ..data.regenerate import regenerate_for_run
-        data_cfg, _ = regenerate_for_run(cfg, out, tokenizer)
+        if regenerate is None:
+            raise RuntimeError("build_run: data.regenerate is set but no regenerate step was passed in")
+        data_cfg, _ = regenerate(cfg, out, tokenizer)
     data = load_dataset(data_cfg, tokenizer, seed=cfg.train.seed, cache_dir=cache)
     if not data.train:
         raise ConfigError(f"data.source {cfg.data.source!r} produced no training conversations.")

@@ -42,8 +42,9 @@ class TrainResult:
     data: dict = field(default_factory=dict)  # RunSetup.data_summary: conversations, unique tokens, epochs
 
 
-def train_single_device(cfg: Config, setup: RunSetup | None = None) -> TrainResult:
-    setup = setup or build_run(cfg)
+def train_single_device(cfg: Config, setup: RunSetup | None = None, regenerate=None) -> TrainResult:
+    """regenerate: data.regenerate's step (training.run.build_run), passed in by the caller that owns generation."""
+    setup = setup or build_run(cfg, regenerate=regenerate)
     with hold_run_dir(setup.out_dir):  # the run directory stays locked until training ends, on every path
         return _train_single_device(cfg, setup)
 

@@ -52,10 +52,17 @@ import jinja2
 import torch
 from tqdm import tqdm
 
+from ..data.conversations import is_heldout
+from ..data.progress import progress_bar
+from ..data.sidecar import check_settings_file
+from ..data.sources import Conversation, iter_conversations, open_source
+from ..devices import resolve_pipeline_devices
 from ..errors import UserError
-from .progress import progress_bar
-from .sidecar import check_settings_file
-from .sources import Conversation, DataError, iter_conversations, open_source
+from ..inference.benchmark import stop_token_ids
+from ..inference.prompts import Prompt, tokenize_prompts
+from ..models.target import TargetInfo, load_causal_lm
+from .engine import Engine, Request
+from .self_prompts import SelfPromptSettings, read_self_prompts, self_prompt_items, write_self_prompts
 
 log = logging.getLogger("dflash_train")
 
@@ -214,7 +221,6 @@ def parse_batch_size(spec) -> int | None:
 
 def batch_size_for(models, max_length: int) -> int:
     """auto_batch_size for the tightest of the models' devices (their KV bytes per token and free memory)."""
-    from ..models.target import TargetInfo
 
     sizes = []
     for hf in models:
@@ -248,7 +254,6 @@ class Regenerator:
         self._engine = None  # built on first use: its cache holds batch_size x max_length slots
 
     def engine(self):
-        from ..generation.engine import Engine
 
         if self._engine is None:
             self._engine = Engine(self.hf, self.batch_size, self.settings.max_length, self.stop_ids,
@@ -256,7 +261,6 @@ class Regenerator:
         return self._engine
 
     def _prompt_ids(self, chat: _Chat) -> list[int] | None:
-        from ..inference.prompts import Prompt, tokenize_prompts
 
         try:
             return tokenize_prompts([Prompt("messages", chat.messages)], self.tokenizer)[0]
@@ -273,7 +277,6 @@ class Regenerator:
         """items: (id, conversation, regenerate?); False copies the conversation unchanged. write(record) for each
         finished conversation, flush() after each engine check that finished one. A set `stop` ends the run at the
         engine's next check: conversations in flight are not written (a rerun regenerates them)."""
-        from ..generation.engine import Request
 
         s, engine = self.settings, self.engine()
         t0 = time.perf_counter()
@@ -416,7 +419,6 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
     the devices (readers key on the id). A replica that fails stops the others at their engine's next check, and
     the error names its device. A set `stop` (a signal, see the CLI) ends every replica at its next check: what
     was written stays, conversations in flight are dropped, and a rerun resumes after what was written."""
-    from ..inference.benchmark import stop_token_ids
 
     models = list(models) if isinstance(models, (list, tuple)) else [models]
     if batch_size < 1:
@@ -508,7 +510,7 @@ def _run_replicas(regens: list[Regenerator], items: Iterator, write, flush, stat
                            f"to resume).\n{tb}") from exc
 
 
-def _select(source: str, max_samples: int | None, counts: Counter) -> Iterator[tuple[str, Conversation, bool]]:
+def select_source_records(source: str, max_samples: int | None, counts: Counter) -> Iterator[tuple[str, Conversation, bool]]:
     for n, (rid, conv) in enumerate(iter_source_records(source, counts)):
         if max_samples is not None and n >= max_samples:
             return
@@ -517,14 +519,50 @@ def _select(source: str, max_samples: int | None, counts: Counter) -> Iterator[t
 
 # ---------------------------------------------------------------------------------------------- entry points
 
+def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, regenerated: Path, settings,
+                        stop: threading.Event | None = None, stats=None):
+    """data.self_prompts (called by regenerate_for_run with its loaded models, after it regenerated data.source into
+    `regenerated` with `settings`): write <out_dir>/self_prompts.jsonl with the first model, have every model
+    answer them into <out_dir>/self_regenerated.jsonl (greedy, like the other conversations; resumable), and return
+    the DataConfig that reads both files, each conversation once (data.mix without weights: one log line each).
+    A set `stop` (a time limit) ends both phases before their next batch: what was written is used. stats: the
+    source's RegenerateStats, to which the answers' counts and seconds are added."""
+    d = cfg.data
+    path = Path(out_dir) / "self_prompts.jsonl"
+    answers = Path(out_dir) / "self_regenerated.jsonl"
+    log.info(f"data.self_prompts: the target writes {d.self_prompts} prompts of its own into {path}")
+    own = SelfPromptSettings(target=settings.target, seed=cfg.train.seed, batch_size=batch_size,
+                             max_new_tokens=d.self_prompt_max_tokens)
+    meta = path.with_suffix(".meta.json")
+    if path.is_file() and meta.is_file():
+        # the batch size changes what each batch draws: a resumed file keeps the one it was written with
+        own.batch_size = json.loads(meta.read_text()).get("batch_size", batch_size)
+    write_self_prompts(models[0], tokenizer, path, d.self_prompts, own, replace=cfg.run.overwrite, stop=stop)
+    records = read_self_prompts(path, d.self_prompts)
+    if records and not (stop is not None and stop.is_set()):
+        answered = regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
+                                      dataclasses.replace(settings, source=str(path)), batch_size=batch_size,
+                                      total=len(records), replace_mismatch=cfg.run.overwrite, stop=stop)
+        if stats is not None:
+            stats.add(answered)
+            stats.seconds += answered.seconds
+    # Both files hold exactly what was chosen (data.max_samples of the source, data.self_prompts of the target's):
+    # read them whole. A file with nothing on its training side (no prompt passed the filters, data.max_samples=0)
+    # is left out rather than failing the load.
+    mix = [str(p) for p in (regenerated, answers) if _training_side(p, cfg.train.seed, d.heldout_fraction)]
+    if str(answers) not in mix:
+        log.warning(f"data.self_prompts: no self-written conversation to train on in {answers}")
+    if mix in ([], [str(regenerated)]):  # as without self-written prompts (with nothing at all, the loader says so)
+        return dataclasses.replace(d, self_prompts=0)
+    return dataclasses.replace(d, mix=mix, max_samples=None, regenerate=False, self_prompts=0)
+
+
+
 def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     """data.regenerate: regenerate the run's conversations (the first data.max_samples on the training side of the
     split, and the held-out side too: validation scores the drafter on the target's own answers to prompts it never
     trained on) into <out_dir>/regenerated.jsonl, then data.self_prompts, all within data.regenerate_minutes.
     Returns (the DataConfig that reads the result, the regeneration's stats as a dict)."""
-    from ..models.target import load_causal_lm
-    from ..pipeline.devices import resolve_pipeline_devices
-    from .conversations import is_heldout
 
     d = cfg.data
     targets, drafters = resolve_pipeline_devices(cfg.pipeline)
@@ -566,7 +604,6 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
         stats = regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
                                    total=total, replace_mismatch=cfg.run.overwrite, stop=stop)
         if d.self_prompts and not stop.is_set():  # prompts the target writes itself (generation/self_prompts.py)
-            from ..generation.self_prompts import answer_self_prompts
             d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings, stop=stop,
                                     stats=stats)
         elif d.self_prompts:
@@ -588,68 +625,9 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
              "conversations": stats.conversations, "row_use": stats.row_use()})
 
 
-def parse_devices(spec: str) -> list[torch.device]:
-    """--device: 'auto', 'all' (every visible GPU, else the CPU), or a comma-separated list ('cuda:0,cuda:1')."""
-    from ..devices import parse_device
+def _training_side(path: Path, seed: int, fraction: float) -> int:
+    """Conversations of a chat file on the training side of the split."""
 
-    if spec.strip() == "all":
-        n = torch.cuda.device_count()
-        return [torch.device("cuda", i) for i in range(n)] if n else [torch.device("cpu")]
-    names = [x for x in spec.split(",") if x.strip()]
-    if not names:
-        raise UserError("--device is empty; use 'auto', 'all', 'cpu', 'cuda:N' or a comma-separated list of them.")
-    return [parse_device(x, "--device") for x in names]
-
-
-def run_regenerate_cli(args) -> int:
-    from ..models.target import load_causal_lm, load_tokenizer
-    from ..pipeline.worker import RunControl, signal_exit_code, stop_on_signals
-
-    if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be at least 1.")
-    if args.temperature < 0:
-        raise UserError("--temperature must be 0 (greedy) or positive.")
-    if args.max_samples is not None and args.max_samples < 1:
-        raise UserError("--max-samples must be at least 1.")
-    if args.samples < 1:
-        raise UserError("--samples must be at least 1.")
-    if args.max_length < 2:
-        raise UserError(f"--max-length must be at least 2 tokens (got {args.max_length}).")
-    if args.samples > 1 and args.temperature <= 0:
-        raise UserError(f"--samples {args.samples} needs --temperature > 0 (greedy answers are all the same), "
-                        "e.g. --temperature 1.0.")
-    fixed_batch = parse_batch_size(args.batch_size)
-    out_path = Path(args.out)
-    if out_path.suffix != ".jsonl":
-        raise UserError(f"--out {args.out!r} must be a .jsonl file (one conversation per line).")
-    if out_path.is_dir():
-        raise UserError(f"--out {args.out!r} is a directory; name a .jsonl file, e.g. {args.out.rstrip('/')}/regen.jsonl.")
-    if args.data == "synthetic":
-        raise DataError("regenerate needs chat data: pass --data sharegpt or a .json/.jsonl chat file.")
-    settings = RegenerateSettings(source=args.data, target=str(args.target or "smollm2"),
-                                  max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                  single_turn=args.single_turn, max_length=args.max_length, seed=args.seed,
-                                  samples=args.samples)
-    with open_source(args.data):  # a bad --data fails here, before the model loads
-        pass
-    check_settings(out_path, settings, replace=False)
-    devices = parse_devices(args.device)
-    tokenizer = load_tokenizer(args.target)
-    models = [load_causal_lm(args.target, d) for d in devices]
-    batch = fixed_batch or batch_size_for(models, args.max_length)
-    log.info(f"regenerate: {batch} conversations per batch on each of {len(models)} device(s)")
-    counts: Counter = Counter()
-    control = RunControl()
-    with stop_on_signals(control, "the next check; replies in flight are dropped (a rerun regenerates them)"):
-        stats = regenerate_dataset(models, tokenizer, _select(args.data, args.max_samples, counts), out_path,
-                                   settings, batch, total=args.max_samples, stop=control.stop)
-    skipped = {k.removeprefix("skip:"): n for k, n in counts.items() if k.startswith("skip:")}
-    if skipped:
-        log.info("source records skipped as unusable: " + ", ".join(f"{k}={n}" for k, n in sorted(skipped.items())))
-    print(stats.line())
-    if control.interrupted:
-        print(f"stopped by {control.interrupted}: {out_path} holds every finished conversation; rerun the same "
-              "command to resume")
-        return signal_exit_code(control.interrupted)
-    print(f"wrote {out_path} (train on it with data.source={out_path})")
-    return 0
+    if not path.is_file():
+        return 0
+    return sum(not is_heldout(c.key, seed, fraction) for c in iter_conversations(path, Counter()))
