@@ -13,7 +13,7 @@ Resumable: a rerun drops the records of the file's last batch (a crash may have 
 that batch on. A side file `<out>.meta.json` records the settings (the batch size too: it changes what a batch
 draws); a file written with other settings is never silently extended.
 
-data.self_prompts (answer_self_prompts) then has the target answer the prompts like any other conversation, into a
+data.self_prompts (generation/regenerate.py, answer_self_prompts) then has the target answer the prompts like any other conversation, into a
 file of their own that training mixes with the regenerated source (data.mix).
 """
 
@@ -261,7 +261,7 @@ def read_self_prompts(path: str | Path, count: int | None = None) -> list[dict]:
 
 
 def self_prompt_items(records: list[dict]) -> Iterator[tuple[str, object, bool]]:
-    """Self-prompt records as regeneration items ((id, conversation, regenerate?), data/regenerate.py): the id
+    """Self-prompt records as regeneration items ((id, conversation, regenerate?), generation/regenerate.py): the id
     `self_<n>_0` keys the conversation as `self_<n>` for the train/held-out split (the `<key>_<n>` rule of source
     record ids), and an empty assistant turn marks the reply that is due (the target writes it; it is never shown)."""
     from ..data.sources import Conversation

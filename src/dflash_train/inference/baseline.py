@@ -9,7 +9,7 @@ Batched decoding cost is memory traffic over the KV cache: every step reads, for
 looks at. Two things keep that proportional to what the batch really holds: the batch generator attends over a
 window that grows with the sequence (TargetRunner kv_window) rather than the whole cache, and its cache can be
 sized once for the longest batch and reused by shorter ones (a captured step per window, not per cache size). The
-caller keeps padding low by batching prompts of similar length (data/regenerate.py sorts a lookahead pool).
+caller keeps padding low by batching prompts of similar length (generation/regenerate.py sorts a lookahead pool).
 """
 
 from __future__ import annotations
