@@ -190,7 +190,7 @@ def test_step_splits_the_final_hidden_state_off_the_features():
     from dflash_train.data.packing import TrainBatch
 
     batch = TrainBatch(**row, anchors=anchors, anchor_valid=valid)
-    cfg = TrainConfig(kd_weight=0.5, gamma=GAMMA, dtype="fp32", compile="eager")
+    cfg = TrainConfig(kd_weight=0.5, gamma=GAMMA, dtype="fp32", attention="sdpa", compile="eager")
     step = DrafterStep(drafter, embed_w, head_w, cfg, torch.device("cpu"))
     assert step.feats_width == feats.shape[1] + head_w.shape[1]
     drafter.zero_grad(set_to_none=False)
@@ -202,8 +202,8 @@ def test_step_splits_the_final_hidden_state_off_the_features():
         step(batch, feats.float())
     # compiled (dynamo + AOT autograd, as on the GPU): the same loss and gradients
     compiled = DrafterStep(drafter, embed_w, head_w, TrainConfig(kd_weight=0.5, gamma=GAMMA, dtype="fp32",
-                                                                 compile="default"), torch.device("cpu"),
-                           tag="kd_compiled", backend="aot_eager")
+                                                                 attention="sdpa", compile="default"),
+                           torch.device("cpu"), tag="kd_compiled", backend="aot_eager")
     drafter.zero_grad(set_to_none=False)
     out = compiled(batch, torch.cat([feats.float(), target_hidden], dim=1))
     torch.testing.assert_close(out["loss"], ref["loss"].detach())

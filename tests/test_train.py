@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from dflash_train.cli import main as cli_main
 from dflash_train.config import ConfigError, load_config
+from dflash_train.devices import resolve_config
 from dflash_train.models.build import build_drafter
 from dflash_train.models.checkpoint import load_drafter, save_drafter
 from dflash_train.models.target import target_config_info
@@ -225,7 +226,7 @@ def test_importing_changes_no_compile_setting_and_a_compiled_step_applies_the_po
     drafter = build_drafter(cfg.model, target_config_info(tiny_llama))
     inductor_config.triton.cudagraph_trees, functorch_config.donated_buffer = True, True  # torch's defaults
     DrafterStep(drafter, torch.zeros(128, drafter.config.hidden_size), torch.zeros(128, drafter.config.hidden_size),
-                cfg.train, torch.device("cpu"))
+                resolve_config(cfg).train, torch.device("cpu"))
     assert inductor_config.triton.cudagraph_trees is False and functorch_config.donated_buffer is False
 
 

@@ -12,6 +12,7 @@ import torch
 from conftest import assert_same_weights
 from dflash_train.config import load_config
 from dflash_train.data.dataset import load_dataset
+from dflash_train.devices import resolve_config
 from dflash_train.models.build import build_drafter
 from dflash_train.models.checkpoint import load_drafter
 from dflash_train.models.target import load_target, target_config_info
@@ -62,7 +63,8 @@ def test_validation_metrics_equal_a_direct_computation(tiny_llama, tmp_path):
     target = load_target(tiny_llama, drafter.config.target_layer_ids)
     rows = build_validation_rows(data.heldout, cfg, target, torch.device("cpu"))
     assert len(rows.rows) == 3 and len(rows.batches) > 3  # every anchor: more than one batch per row here
-    step = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, cfg.train, torch.device("cpu"))
+    step = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, resolve_config(cfg).train,
+                       torch.device("cpu"))
     got = evaluate_rows(step, rows)
 
     # Direct: the objective on each row with ALL its valid anchors at once; counts summed, loss averaged over the
@@ -236,7 +238,8 @@ def test_decoding_walk_predicts_the_measured_tau_on_the_targets_own_answers(tiny
     answers = [target_generate(runner, p, new_tokens).tokens for p in prompts]
     samples = [Sample(p + a, [False] * len(p) + [True] * len(a)) for p, a in zip(prompts, answers)]
     # Train the drafter on those very answers (memorising is fine here: the test is about the estimate).
-    step = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, cfg.train, torch.device("cpu"))
+    step = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, resolve_config(cfg).train,
+                       torch.device("cpu"))
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     for b in BatchSchedule(samples, 256, 64, 0, 200):
         step(b, target.features(b.input_ids, b.position_ids, b.doc_ids))

@@ -1,12 +1,20 @@
-"""One rule for turning a device name a user wrote into a torch.device, shared by every command."""
+"""What "auto" means on this machine, decided in one place: a device name a user wrote -> torch.device
+(parse_device, shared by every command), and a run's Config with every device-dependent "auto" replaced by a concrete
+value (resolve_config), called once at the start of a run: the stages below it only ever see concrete values."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
-from .config import ConfigError, PipelineConfig
+from .config import Config, ConfigError, PipelineConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Each device-dependent "auto": (on CUDA, elsewhere). Off CUDA there are no CUDA graphs for reduce-overhead to
+# capture, flex attention would compile a kernel per shape for no gain, and bf16 matmuls are slower than fp32.
+AUTO = {"compile": ("reduce-overhead", "eager"), "attention": ("flex", "sdpa"), "dtype": ("bf16", "fp32")}
 
 
 def parse_device(name: str | int, source: str) -> torch.device:
@@ -48,3 +56,34 @@ def resolve_pipeline_devices(cfg: PipelineConfig) -> tuple[list[torch.device], l
         raise ConfigError("pipeline.drafter_devices mixes CPU and CUDA devices; replicas must be on the same kind of "
                           "device to stay bit-identical.")
     return targets, drafters
+
+
+def choose(key: str, value: str, devices: list[torch.device]) -> str:
+    """`value`, or for "auto" AUTO[key]'s CUDA choice when every one of `devices` is a CUDA device, else the other."""
+    if value != "auto":
+        return value
+    on_cuda, elsewhere = AUTO[key]
+    return on_cuda if all(d.type == "cuda" for d in devices) else elsewhere
+
+
+def compute_dtype(value: str, device: torch.device) -> torch.dtype:
+    """bf16 | fp32 | auto -> the torch dtype computed in on `device`."""
+    return DTYPES[choose("dtype", value, [device])]
+
+
+def resolve_config(cfg: Config, single: bool = False) -> Config:
+    """cfg with every "auto" decided for this machine: the pipeline's devices (parse_device), train.compile,
+    train.attention and train.dtype for the drafter devices (one kind: resolve_pipeline_devices), and
+    model.target_attention for the devices the target runs on (the first drafter device in the single-device loop,
+    `single`). The run directory keeps the config as written, so a resume on another machine decides again."""
+    targets, drafters = resolve_pipeline_devices(cfg.pipeline)
+    if single:
+        targets = drafters[:1]
+    t = cfg.train
+    train = dataclasses.replace(t, compile=choose("compile", t.compile, drafters),
+                                attention=choose("attention", t.attention, drafters),
+                                dtype=choose("dtype", t.dtype, drafters))
+    model = dataclasses.replace(cfg.model, target_attention=choose("attention", cfg.model.target_attention, targets))
+    pipeline = dataclasses.replace(cfg.pipeline, target_devices=[str(d) for d in targets],
+                                   drafter_devices=[str(d) for d in drafters])
+    return dataclasses.replace(cfg, model=model, train=train, pipeline=pipeline)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .devices import choose
+
 STEP_TIMEOUT_S = 600.0  # a first inductor compile on a slow, busy CPU can take minutes; a hang is longer
 
 
@@ -121,10 +123,11 @@ def find_cpp_compiler() -> str | None:
 
 
 def resolve_doctor_compile(requested: str, device: torch.device) -> tuple[str, Check | None]:
-    """auto: reduce-overhead on CUDA; on CPU 'default' with a C++ compiler, else eager."""
+    """auto: train.compile=auto's choice on CUDA (devices.AUTO); on CPU 'default' with a C++ compiler (the compiled
+    path is the one worth checking), else eager."""
     if requested == "auto":
         if device.type == "cuda":
-            return "reduce-overhead", None
+            return choose("compile", requested, [device]), None
         cxx = find_cpp_compiler()
         if cxx is None:
             return "eager", Check("WARN", "c++ compiler", "none found: compiled CPU steps are unavailable, eager is "
@@ -174,7 +177,10 @@ def _tiny_step_inputs(device: torch.device):
     docs = [Sample(torch.randint(0, 127, (n,), generator=g).tolist(), [i > 4 for i in range(n)]) for n in (40, 24)]
     batch = make_batch(pack_samples(docs, 64)[0], 8, seed=0, index=0).to(device)
     feats = torch.randn(64, 2 * 64, generator=g).to(device)  # [T, k*H]
-    return drafter, embed_w, head_w, batch, feats, TrainConfig(token_budget=64, num_anchors=8)
+    # attention and dtype as a run on `device` resolves them; the compile mode is the caller's
+    tcfg = TrainConfig(token_budget=64, num_anchors=8, attention=choose("attention", "auto", [device]),
+                       dtype=choose("dtype", "auto", [device]))
+    return drafter, embed_w, head_w, batch, feats, tcfg
 
 
 def _grads(drafter) -> torch.Tensor:
@@ -185,10 +191,10 @@ def run_step_check(mode: str, device: torch.device, calls: int = 3) -> Check:
     """`calls` compiled fwd+bwd on a worker thread (compile, capture, replay), the last one's gradients vs eager."""
     import dataclasses
 
-    from .training.step import DrafterStep, resolve_dtype
+    from .training.step import DrafterStep
 
-    name = f"drafter step in a worker thread (compile={mode}, {device}, {resolve_dtype('auto', device)})"
     drafter, embed_w, head_w, batch, feats, tcfg = _tiny_step_inputs(device)
+    name = f"drafter step in a worker thread (compile={mode}, {device}, {tcfg.dtype})"
     ref = copy.deepcopy(drafter).to(device)
     drafter = drafter.to(device)
     result: dict = {}

@@ -305,8 +305,7 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
 def run_eval_cli(args) -> int:
     from ..models.checkpoint import load_drafter, load_drafter_config
     from ..models.target import load_target, load_tokenizer, target_config_info
-    from ..devices import parse_device
-    from ..training.step import resolve_dtype
+    from ..devices import compute_dtype, parse_device
     from .prompts import (check_prompt_lengths, default_prompts, needs_tokenizer, read_prompt_file,
                           tokenize_prompts)
     from .report import format_summary, write_report
@@ -340,7 +339,7 @@ def run_eval_cli(args) -> int:
 
     device = parse_device(args.device, "--device")
     # The drafter runs in the target's dtype (DrafterRunner), so --dtype sets both.
-    target = load_target(args.target, dcfg.target_layer_ids, device=device, dtype=resolve_dtype(args.dtype, device),
+    target = load_target(args.target, dcfg.target_layer_ids, device=device, dtype=compute_dtype(args.dtype, device),
                          truncate=False)
     drafter = load_drafter(args.drafter, device)
     report = evaluate(target, drafter, prompt_ids, args.max_new_tokens, args.temperature, args.block_size,

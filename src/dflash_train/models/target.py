@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..devices import choose, compute_dtype
 from ..errors import UserError
 from .cuda_graph import GraphedStep
 from .flex import FLEX_TILE, ordered_tiles
@@ -145,10 +146,6 @@ def default_layer_ids(num_layers: int, k: int) -> list[int]:
         k -= 1
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     """doc_ids [T] -> bool mask [1, 1, T, T]: token i sees token j iff same document and j <= i."""
     T = doc_ids.shape[0]
@@ -158,15 +155,6 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 TARGET_ATTENTION = ("sdpa", "flex", "auto")
 _HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention"}
-
-
-def resolve_target_attention(name: str, device: torch.device) -> str:
-    """'auto' -> flex on CUDA, sdpa elsewhere (on CPU flex would compile a kernel per shape for no gain)."""
-    if name not in TARGET_ATTENTION:
-        raise TargetError(f"Target attention must be one of {', '.join(TARGET_ATTENTION)} (got {name!r}).")
-    if name == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    return name
 
 
 def doc_causal_block_mask(doc_ids: torch.Tensor, tile: int = FLEX_TILE):
@@ -332,8 +320,10 @@ def load_causal_lm(target: str | None, device: str | torch.device = "cpu", dtype
 
     path = resolve_target_path(target)
     device = torch.device(device)
-    dtype = dtype or default_dtype(device)
-    attention = resolve_target_attention(attention, device)
+    dtype = dtype or compute_dtype("auto", device)
+    if attention not in TARGET_ATTENTION:
+        raise TargetError(f"Target attention must be one of {', '.join(TARGET_ATTENTION)} (got {attention!r}).")
+    attention = choose("attention", attention, [device])  # a run's config arrives resolved (devices.resolve_config)
     try:
         hf = _from_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=_HF_ATTENTION[attention])
     except Exception as e:  # noqa: BLE001

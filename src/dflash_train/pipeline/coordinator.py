@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, ConfigError
-from ..devices import resolve_pipeline_devices
+from ..devices import resolve_config, resolve_pipeline_devices
 from ..generation.regenerate import regenerate_for_run
 from ..errors import UserError
 from ..models.checkpoint import save_drafter
@@ -40,7 +40,6 @@ from ..training.metrics import MetricsLogger
 from ..training.optim import follows_clock
 from ..training.plots import write_training_plots
 from ..training.run import build_run, hold_run_dir, prepare_out_dir
-from ..training.step import resolve_compile_mode
 from ..training.validation import Validator, build_validation_rows
 from ..training.trainer import TrainResult
 from .devices import cpu_threads_per_worker
@@ -73,7 +72,8 @@ def train_pipeline(cfg: Config) -> PipelineResult:
         if peers.enabled and cfg.data.regenerate:
             raise ConfigError("data.regenerate would regenerate the data on every rank: run `dflash-train regenerate` "
                               "once and point data.source at its output, or data.regenerate=false.")
-        target_devices, drafter_devices = resolve_pipeline_devices(cfg.pipeline)
+        resolved = resolve_config(cfg)  # every "auto" decided once; the run directory keeps cfg as written
+        target_devices, drafter_devices = resolve_pipeline_devices(resolved.pipeline)
         if cfg.pipeline.grad_reduce == "nccl" and len(drafter_devices) > 1:
             if any(d.type != "cuda" for d in drafter_devices):
                 raise ConfigError("pipeline.grad_reduce=nccl needs CUDA drafter devices; use grad_reduce=host on CPU.")
@@ -87,7 +87,7 @@ def train_pipeline(cfg: Config) -> PipelineResult:
         # The processes of one node share its cores as well.
         with hold_run_dir(out), run_log_file(out, log_name), \
                 cpu_thread_budget((target_devices + drafter_devices) * peers.local_world):
-            return _Pipeline(cfg, target_devices, drafter_devices, faults, peers, out).run()
+            return _Pipeline(resolved, target_devices, drafter_devices, faults, peers, out).run()
 
 
 class _Pipeline:
@@ -136,7 +136,7 @@ class _Pipeline:
         batches, feats = queue.Queue(depth), queue.Queue(depth)  # TrainBatch (CPU) | FeatureItem (target device)
         inboxes = [queue.Queue(1) for _ in drafter_devices]     # DrafterInput: 1 here + 1 being trained
         in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
-        self.guard = RecompileGuard(resolve_compile_mode(cfg.train.compile, drafter_devices[0]) != "eager")
+        self.guard = RecompileGuard(cfg.train.compile != "eager")
         self.gradsync = gradsync = GradAverager(self.n, self.peers, cfg.pipeline.grad_reduce)
         embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed
         self.drafters = [DrafterWorker(r, c, d, self.run_setup, init, state, self.start_step, embed_w, head_w,

@@ -20,6 +20,7 @@ import types
 import torch
 
 from ..config import TrainConfig
+from ..devices import DTYPES
 from ..models.drafter import DFlashDrafter
 from .cudagraphs import configure_cudagraphs
 from .objective import default_gamma, dflash_loss
@@ -27,24 +28,6 @@ from .objective import default_gamma, dflash_loss
 # What a step hands back: summed over a log window (metrics.StepWindow) and averaged over replicas at log steps; the
 # acceptance ratios (acc@k, tau estimate) are derived from the summed counts only when a line is logged.
 METRIC_KEYS = ("loss", "num_labels", "counts")
-
-
-def resolve_compile_mode(mode: str, device: torch.device) -> str:
-    if mode == "auto":
-        return "reduce-overhead" if device.type == "cuda" else "eager"
-    return mode
-
-
-def resolve_attention(attention: str, device: torch.device) -> str:
-    if attention == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    return attention
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
 def _fresh_function(fn, tag: str):
@@ -72,23 +55,27 @@ class DrafterStep:
     def __init__(self, drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, cfg: TrainConfig,
                  device: torch.device, tag: str = "0", backend: str | None = None):
         """backend: a torch.compile backend overriding the compile mode's inductor (tests and the CPU benchmark
-        smoke use 'aot_eager': the same dynamo + autograd tracing, no code generation); ignored when eager."""
+        smoke use 'aot_eager': the same dynamo + autograd tracing, no code generation); ignored when eager.
+        cfg: resolved (devices.resolve_config): its compile, attention and dtype are concrete, not "auto"."""
+        if "auto" in (cfg.compile, cfg.attention, cfg.dtype):
+            raise ValueError("DrafterStep needs a resolved TrainConfig (devices.resolve_config decides each 'auto' "
+                             f"once per run); got compile={cfg.compile}, attention={cfg.attention}, dtype={cfg.dtype}")
         self.drafter, self.device = drafter, device
         # Frozen target tensors, in the compute dtype, on this replica's device; never trained.
-        self.dtype = resolve_dtype(cfg.dtype, device)
+        self.dtype = DTYPES[cfg.dtype]
         self.embed_w = embed_w.detach().to(device, self.dtype)
         self.head_w = head_w.detach().to(device, self.dtype)
         for w in (self.embed_w, self.head_w):  # static inputs, like parameters: no per-replay copy (docstring)
             torch._dynamo.mark_static_address(w, guard=False)
         self.block_size = drafter.config.block_size
         self.gamma = cfg.gamma or default_gamma(self.block_size)
-        self.attention = resolve_attention(cfg.attention, device)
+        self.attention = cfg.attention
         self.loss_chunk = cfg.loss_chunk
         self.kd_weight = cfg.kd_weight
         # feats [T, feats_width]: k*H tapped, then H more (the target's final hidden state) when distilling
         # (load_target(..., final_hidden=True) appends it).
         self.feats_width = drafter.fc.in_features + (self.head_w.shape[1] if self.kd_weight > 0 else 0)
-        self.compile_mode = resolve_compile_mode(cfg.compile, device)
+        self.compile_mode = cfg.compile
         # Own, persistent .grad buffers: backward then *accumulates* (copies) into them. A None grad would instead
         # steal the CUDA graph's static output buffer, which a later replay may overwrite (training silently
         # stalled on torch 2.11 with reduce-overhead). Callers zero them in place: zero_grad(set_to_none=False).

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..models.checkpoint import save_drafter
-from ..devices import parse_device
+from ..devices import parse_device, resolve_config
 from ..models.build import init_output_norm
 from ..models.target import load_target
 from .budget import TimeBudget
@@ -46,7 +46,8 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None, regenerate=N
     """regenerate: data.regenerate's step (training.run.build_run), passed in by the caller that owns generation."""
     setup = setup or build_run(cfg, regenerate=regenerate)
     with hold_run_dir(setup.out_dir):  # the run directory stays locked until training ends, on every path
-        return _train_single_device(cfg, setup)
+        # Every "auto" decided once, for this loop's one device (the run directory keeps cfg as written).
+        return _train_single_device(resolve_config(cfg, single=True), setup)
 
 
 def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
