@@ -230,6 +230,29 @@ def test_importing_changes_no_compile_setting_and_a_compiled_step_applies_the_po
     assert inductor_config.triton.cudagraph_trees is False and functorch_config.donated_buffer is False
 
 
+@pytest.mark.parametrize("entry", ["pipeline", "single"])
+def test_every_training_entry_applies_the_policy_before_it_compiles(tiny_llama, tmp_path, monkeypatch, entry):
+    """With torch's defaults in place (trees and donated buffers on), a run through either training entry (the CLI's
+    train and the demo go through them) has the policy in force at every torch.compile call it makes."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from dflash_train.pipeline.coordinator import train_pipeline
+
+    seen = []
+
+    def record(fn, *args, **kwargs):  # what each compile call would have compiled under; the step then runs eagerly
+        seen.append((inductor_config.triton.cudagraph_trees, functorch_config.donated_buffer))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    cfg = tiny_cfg(tiny_llama, tmp_path / entry, **{"train.compile": "default", "train.max_steps": 2})
+    # torch's defaults for the run, restored afterwards (the policy the run applies does not leak into other tests)
+    with inductor_config.patch({"triton.cudagraph_trees": True}), functorch_config.patch(donated_buffer=True):
+        (train_pipeline if entry == "pipeline" else train_single_device)(cfg)
+    assert seen and set(seen) == {(False, False)}, seen
+
+
 def test_fresh_drafter_output_gain_matches_the_head(tiny_llama, tmp_path):
     """A fresh run scales the final-norm gain to 1 / mean row norm of the frozen LM head (near-uniform start)."""
     from dflash_train.models.build import init_output_norm

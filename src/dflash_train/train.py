@@ -19,9 +19,6 @@ def train(cfg: Config, single: bool = False):
     from .training.startup import use_compile_cache
 
     use_compile_cache(cfg)  # first: importing the stages below imports inductor, which settles on a directory
-    from .training.cudagraphs import configure_cudagraphs
-
-    configure_cudagraphs()  # the compile policy for steps in worker threads, before anything compiles
     from .models.checkpoint import load_drafter_config, serve_commands
     from .pipeline.coordinator import run_log_file, train_pipeline
     from .devices import resolve_pipeline_devices

@@ -36,6 +36,7 @@ from ..models.build import init_output_norm
 from ..models.target import load_target
 from ..training.budget import TimeBudget
 from ..training.checkpointing import CheckpointManager, resume_point
+from ..training.cudagraphs import configure_cudagraphs
 from ..training.metrics import MetricsLogger
 from ..training.optim import follows_clock
 from ..training.plots import write_training_plots
@@ -67,6 +68,7 @@ class PipelineResult(TrainResult):
 
 
 def train_pipeline(cfg: Config) -> PipelineResult:
+    configure_cudagraphs()  # the compile policy for steps in worker threads, before anything compiles
     # Under torchrun, join the other processes before anything can fail: whatever fails below then reaches them.
     with DistributedSync.from_env(cfg.pipeline.stall_timeout_s) as peers:
         if peers.enabled and cfg.data.regenerate:

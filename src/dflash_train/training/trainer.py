@@ -17,6 +17,7 @@ from ..models.build import init_output_norm
 from ..models.target import load_target
 from .budget import TimeBudget
 from .checkpointing import CheckpointManager, resume_point
+from .cudagraphs import configure_cudagraphs
 from .metrics import MetricsLogger, StepWindow
 from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
@@ -44,6 +45,7 @@ class TrainResult:
 
 def train_single_device(cfg: Config, setup: RunSetup | None = None, regenerate=None) -> TrainResult:
     """regenerate: data.regenerate's step (training.run.build_run), passed in by the caller that owns generation."""
+    configure_cudagraphs()  # the compile policy (training/cudagraphs.py), before anything compiles
     setup = setup or build_run(cfg, regenerate=regenerate)
     with hold_run_dir(setup.out_dir):  # the run directory stays locked until training ends, on every path
         # Every "auto" decided once, for this loop's one device (the run directory keeps cfg as written).
