@@ -90,7 +90,7 @@ def test_regenerate_batch_size_auto_and_errors(chat_target, tmp_path, capsys):
     """--batch-size auto sizes the batch from the KV cache per row and the free memory; a bad value is one sentence,
     before any model loads."""
     from dflash_train.cli import main
-    from dflash_train.generation.regenerate import MAX_AUTO_BATCH, auto_batch_size
+    from dflash_train.generation.engine import MAX_AUTO_BATCH, auto_batch_size
 
     smollm2_kv = 2 * 30 * 3 * 64 * 2          # bytes per token: 2 (K, V) x layers x kv heads x head dim x bf16
     qwen3_8b_kv = 2 * 36 * 8 * 128 * 2
@@ -196,7 +196,7 @@ def test_regenerate_single_turn_and_too_long(chat_target, tmp_path):
 
 
 def test_train_with_data_regenerate(chat_target, tmp_path):
-    from dflash_train.generation.regenerate import regenerate_for_run
+    from dflash_train.generation.run_data import regenerate_for_run
     from dflash_train.training.trainer import train_single_device
 
     data = write_chats(tmp_path / "chats.jsonl", 60, turns=2)

@@ -64,7 +64,7 @@ def test_a_step_refuses_an_unresolved_config():
 ALLOWED = {
     "devices.py": "the one place: device names and resolve_config",
     "doctor.py": "its own --compile flag (on CPU it checks 'default' when a C++ compiler exists)",
-    "generation/regenerate.py": "--batch-size auto: sized from the loaded models' free memory",
+    "cli.py": "regenerate --batch-size auto: sized from the loaded models' free memory (engine.batch_size_for)",
     "config.py": "run.resume=auto is a mode (resume if a checkpoint exists), not a device choice",
     "training/checkpointing.py": "run.resume=auto",
     "training/rundir.py": "run.resume=auto",

@@ -65,7 +65,7 @@ def letter_lm(path: str, tok, alphabet: str = "ab ", p_end: float = 0.15):
 
 def regenerate_data(cfg, out_dir, tok):
     """regenerate_for_run's DataConfig (it may also return the regeneration's stats)."""
-    from dflash_train.generation.regenerate import regenerate_for_run
+    from dflash_train.generation.run_data import regenerate_for_run
 
     result = regenerate_for_run(cfg, out_dir, tok)
     return result[0] if isinstance(result, tuple) else result
@@ -202,7 +202,7 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
     """data.regenerate + data.self_prompts through regenerate_for_run: the prompts are written, answered by the
     target into self_regenerated.jsonl, and come back from the chat data loader (mixed with the regenerated
     source, each once) as user + assistant samples."""
-    import dflash_train.generation.regenerate as regen_mod  # where regenerate_for_run finds load_causal_lm
+    import dflash_train.generation.run_data as regen_mod  # where regenerate_for_run finds load_causal_lm
     from dflash_train.config import build_config
     from dflash_train.data.conversations import ChatEncoder
     from dflash_train.data.dataset import load_dataset
@@ -348,7 +348,7 @@ def test_mix_and_self_prompts_refuse_settings_they_cannot_honour():
 
 def test_a_target_that_writes_no_usable_prompt_trains_on_the_regenerated_source_alone(chat_target, tmp_path,
                                                                                          monkeypatch, caplog):
-    import dflash_train.generation.regenerate as regen_mod  # where regenerate_for_run finds load_causal_lm
+    import dflash_train.generation.run_data as regen_mod  # where regenerate_for_run finds load_causal_lm
     from dflash_train.config import build_config
     tok = make_byte_tokenizer()
     hf = letter_lm(chat_target, tok, alphabet="a", p_end=0.999)  # every sampled turn is empty

@@ -85,13 +85,26 @@ def parse_devices(spec: str) -> list:
     return [parse_device(x, "--device") for x in names]
 
 
+def parse_batch_size(spec) -> int | None:
+    """--batch-size: a positive integer, or 'auto' (None: sized by batch_size_for once the models are loaded)."""
+    if str(spec).strip().lower() == "auto":
+        return None
+    try:
+        n = int(spec)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise UserError(f"--batch-size must be a positive integer or 'auto' (got {spec!r}).")
+    return n
+
+
 def cmd_regenerate(args) -> int:
     """`dflash-train regenerate`: the target rewrites a chat dataset's answers (generation/regenerate.py)."""
     from collections import Counter
 
     from .data.sources import DataError, open_source
-    from .generation.regenerate import (RegenerateSettings, select_source_records, batch_size_for, check_settings,
-                                        parse_batch_size, regenerate_dataset)
+    from .generation.engine import batch_size_for
+    from .generation.regenerate import RegenerateSettings, check_settings, regenerate_dataset, select_source_records
     from .models.target import load_causal_lm, load_tokenizer
     from .pipeline.worker import RunControl, signal_exit_code, stop_on_signals
 
@@ -131,8 +144,9 @@ def cmd_regenerate(args) -> int:
     counts: Counter = Counter()
     control = RunControl()
     with stop_on_signals(control, "the next check; replies in flight are dropped (a rerun regenerates them)"):
-        stats = regenerate_dataset(models, tokenizer, select_source_records(args.data, args.max_samples, counts), out_path,
-                                   settings, batch, total=args.max_samples, stop=control.stop)
+        items = select_source_records(args.data, args.max_samples, counts)
+        stats = regenerate_dataset(models, tokenizer, items, out_path, settings, batch, total=args.max_samples,
+                                   stop=control.stop)
     skipped = {k.removeprefix("skip:"): n for k, n in counts.items() if k.startswith("skip:")}
     if skipped:
         log.info("source records skipped as unusable: " + ", ".join(f"{k}={n}" for k, n in sorted(skipped.items())))

@@ -136,7 +136,7 @@ def regenerate_demo_data(cfg: Config, tokenizer) -> tuple[Config, dict | None]:
     """data.regenerate outside the run directory (data_dir_for), then the config that trains on the result."""
     if not cfg.data.regenerate:
         return cfg, None
-    from .generation.regenerate import regenerate_for_run
+    from .generation.run_data import regenerate_for_run
 
     where = data_dir_for(cfg.run.out_dir)
     where.mkdir(parents=True, exist_ok=True)

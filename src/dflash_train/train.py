@@ -24,7 +24,7 @@ def train(cfg: Config, single: bool = False):
     from .devices import resolve_pipeline_devices
     from .training.trainer import train_single_device
 
-    from .generation.regenerate import regenerate_for_run
+    from .generation.run_data import regenerate_for_run
 
     result = train_single_device(cfg, regenerate=regenerate_for_run) if single else train_pipeline(cfg)
     if int(os.environ.get("RANK", "0")) != 0:

@@ -47,6 +47,8 @@ from ..models.target import TargetInfo
 CHECK_EVERY = 8          # decoding steps between host checks for ended rows (see the module docstring)
 WINDOW = 128             # attention reads the longest live row's slots rounded up to this (one graph per window)
 PREFILL_TOKENS = 1 << 15  # padded prompt tokens per prefill forward (its [n, 1, P, P] mask and activations)
+MAX_AUTO_BATCH = 768     # the largest batch measured on real data (docs/dev-log.md section 11: SmolLM2 on an H200)
+CPU_BATCH = 8            # `--batch-size auto` on a CPU
 
 _M32 = 0xFFFFFFFF
 
@@ -380,3 +382,25 @@ class Engine:
 def _seed64(seed: int) -> int:
     """Any Python int -> a non-negative int64 (the device hash takes the rest)."""
     return int(seed) & ((1 << 63) - 1)
+
+
+def auto_batch_size(kv_bytes_per_token: int, max_length: int, free_bytes: int | None) -> int:
+    """`--batch-size auto`: the batch whose full KV caches (max_length slots per row) fill half the free memory
+    (the other half: the prefill's activations and masks, which grow with batch x prompt length), rounded down to
+    a multiple of 64 rows, between 1 and MAX_AUTO_BATCH. free_bytes None (CPU): CPU_BATCH."""
+    if free_bytes is None:
+        return CPU_BATCH
+    rows = free_bytes // 2 // max(1, kv_bytes_per_token * max_length)
+    return int(max(1, min(MAX_AUTO_BATCH, rows // 64 * 64 if rows >= 64 else rows)))
+
+
+def batch_size_for(models, max_length: int) -> int:
+    """auto_batch_size for the tightest of the models' devices (their KV bytes per token and free memory)."""
+    sizes = []
+    for hf in models:
+        info = TargetInfo.from_config(hf.config)
+        weight = hf.get_input_embeddings().weight
+        kv = 2 * info.num_layers * info.num_key_value_heads * info.head_dim * weight.element_size()
+        free = torch.cuda.mem_get_info(weight.device)[0] if weight.device.type == "cuda" else None
+        sizes.append(auto_batch_size(kv, max_length, free))
+    return min(sizes)

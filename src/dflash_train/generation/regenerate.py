@@ -52,22 +52,16 @@ import jinja2
 import torch
 from tqdm import tqdm
 
-from ..data.conversations import is_heldout
 from ..data.progress import progress_bar
 from ..data.sidecar import check_settings_file
 from ..data.sources import Conversation, iter_conversations, open_source
-from ..devices import resolve_pipeline_devices
 from ..errors import UserError
 from ..inference.benchmark import stop_token_ids
 from ..inference.prompts import Prompt, tokenize_prompts
-from ..models.target import TargetInfo, load_causal_lm
 from .engine import Engine, Request
-from .self_prompts import SelfPromptSettings, read_self_prompts, self_prompt_items, write_self_prompts
 
 log = logging.getLogger("dflash_train")
 
-MAX_AUTO_BATCH = 768   # the largest batch measured on real data (docs/dev-log.md section 11: SmolLM2 on an H200)
-CPU_BATCH = 8          # `--batch-size auto` on a CPU
 LOOKAHEAD_BATCHES = 8  # due replies pooled (in batches) so that each batch can take prompts of similar length
 
 
@@ -194,44 +188,6 @@ def check_settings(out_path: Path, settings: RegenerateSettings, replace: bool) 
                         "pass another output path, or delete the file to start over")
 
 
-# ---------------------------------------------------------------------------------------------- generation
-
-def auto_batch_size(kv_bytes_per_token: int, max_length: int, free_bytes: int | None) -> int:
-    """`--batch-size auto`: the batch whose full KV caches (max_length slots per row) fill half the free memory
-    (the other half: the prefill's activations and masks, which grow with batch x prompt length), rounded down to
-    a multiple of 64 rows, between 1 and MAX_AUTO_BATCH. free_bytes None (CPU): CPU_BATCH."""
-    if free_bytes is None:
-        return CPU_BATCH
-    rows = free_bytes // 2 // max(1, kv_bytes_per_token * max_length)
-    return int(max(1, min(MAX_AUTO_BATCH, rows // 64 * 64 if rows >= 64 else rows)))
-
-
-def parse_batch_size(spec) -> int | None:
-    """--batch-size: a positive integer, or 'auto' (None: sized by batch_size_for once the models are loaded)."""
-    if str(spec).strip().lower() == "auto":
-        return None
-    try:
-        n = int(spec)
-    except (TypeError, ValueError):
-        n = 0
-    if n < 1:
-        raise UserError(f"--batch-size must be a positive integer or 'auto' (got {spec!r}).")
-    return n
-
-
-def batch_size_for(models, max_length: int) -> int:
-    """auto_batch_size for the tightest of the models' devices (their KV bytes per token and free memory)."""
-
-    sizes = []
-    for hf in models:
-        info = TargetInfo.from_config(hf.config)
-        weight = hf.get_input_embeddings().weight
-        kv = 2 * info.num_layers * info.num_key_value_heads * info.head_dim * weight.element_size()
-        free = torch.cuda.mem_get_info(weight.device)[0] if weight.device.type == "cuda" else None
-        sizes.append(auto_batch_size(kv, max_length, free))
-    return min(sizes)
-
-
 class Regenerator:
     """Turn-by-turn regeneration with one HF causal LM on a continuous-batching engine (generation/engine.py): each
     due reply is a request; when it ends, the conversation's next turn is submitted at once, so multi-turn chats
@@ -254,14 +210,12 @@ class Regenerator:
         self._engine = None  # built on first use: its cache holds batch_size x max_length slots
 
     def engine(self):
-
         if self._engine is None:
             self._engine = Engine(self.hf, self.batch_size, self.settings.max_length, self.stop_ids,
                                   pad_id=self.pad_id)
         return self._engine
 
     def _prompt_ids(self, chat: _Chat) -> list[int] | None:
-
         try:
             return tokenize_prompts([Prompt("messages", chat.messages)], self.tokenizer)[0]
         except jinja2.TemplateError:  # e.g. a template that insists on alternating roles
@@ -277,7 +231,6 @@ class Regenerator:
         """items: (id, conversation, regenerate?); False copies the conversation unchanged. write(record) for each
         finished conversation, flush() after each engine check that finished one. A set `stop` ends the run at the
         engine's next check: conversations in flight are not written (a rerun regenerates them)."""
-
         s, engine = self.settings, self.engine()
         t0 = time.perf_counter()
         groups: dict[str, dict] = {}  # source id -> {"left": samples in flight, "records": {k: record or None}}
@@ -419,7 +372,6 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
     the devices (readers key on the id). A replica that fails stops the others at their engine's next check, and
     the error names its device. A set `stop` (a signal, see the CLI) ends every replica at its next check: what
     was written stays, conversations in flight are dropped, and a rerun resumes after what was written."""
-
     models = list(models) if isinstance(models, (list, tuple)) else [models]
     if batch_size < 1:
         raise UserError("The regeneration batch size must be at least 1.")
@@ -510,124 +462,10 @@ def _run_replicas(regens: list[Regenerator], items: Iterator, write, flush, stat
                            f"to resume).\n{tb}") from exc
 
 
-def select_source_records(source: str, max_samples: int | None, counts: Counter) -> Iterator[tuple[str, Conversation, bool]]:
+def select_source_records(source: str, max_samples: int | None,
+                          counts: Counter) -> Iterator[tuple[str, Conversation, bool]]:
+    """The first max_samples source records (all when None) as regeneration items (`dflash-train regenerate`)."""
     for n, (rid, conv) in enumerate(iter_source_records(source, counts)):
         if max_samples is not None and n >= max_samples:
             return
         yield rid, conv, True
-
-
-# ---------------------------------------------------------------------------------------------- entry points
-
-def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, regenerated: Path, settings,
-                        stop: threading.Event | None = None, stats=None):
-    """data.self_prompts (called by regenerate_for_run with its loaded models, after it regenerated data.source into
-    `regenerated` with `settings`): write <out_dir>/self_prompts.jsonl with the first model, have every model
-    answer them into <out_dir>/self_regenerated.jsonl (greedy, like the other conversations; resumable), and return
-    the DataConfig that reads both files, each conversation once (data.mix without weights: one log line each).
-    A set `stop` (a time limit) ends both phases before their next batch: what was written is used. stats: the
-    source's RegenerateStats, to which the answers' counts and seconds are added."""
-    d = cfg.data
-    path = Path(out_dir) / "self_prompts.jsonl"
-    answers = Path(out_dir) / "self_regenerated.jsonl"
-    log.info(f"data.self_prompts: the target writes {d.self_prompts} prompts of its own into {path}")
-    own = SelfPromptSettings(target=settings.target, seed=cfg.train.seed, batch_size=batch_size,
-                             max_new_tokens=d.self_prompt_max_tokens)
-    meta = path.with_suffix(".meta.json")
-    if path.is_file() and meta.is_file():
-        # the batch size changes what each batch draws: a resumed file keeps the one it was written with
-        own.batch_size = json.loads(meta.read_text()).get("batch_size", batch_size)
-    write_self_prompts(models[0], tokenizer, path, d.self_prompts, own, replace=cfg.run.overwrite, stop=stop)
-    records = read_self_prompts(path, d.self_prompts)
-    if records and not (stop is not None and stop.is_set()):
-        answered = regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
-                                      dataclasses.replace(settings, source=str(path)), batch_size=batch_size,
-                                      total=len(records), replace_mismatch=cfg.run.overwrite, stop=stop)
-        if stats is not None:
-            stats.add(answered)
-            stats.seconds += answered.seconds
-    # Both files hold exactly what was chosen (data.max_samples of the source, data.self_prompts of the target's):
-    # read them whole. A file with nothing on its training side (no prompt passed the filters, data.max_samples=0)
-    # is left out rather than failing the load.
-    mix = [str(p) for p in (regenerated, answers) if _training_side(p, cfg.train.seed, d.heldout_fraction)]
-    if str(answers) not in mix:
-        log.warning(f"data.self_prompts: no self-written conversation to train on in {answers}")
-    if mix in ([], [str(regenerated)]):  # as without self-written prompts (with nothing at all, the loader says so)
-        return dataclasses.replace(d, self_prompts=0)
-    return dataclasses.replace(d, mix=mix, max_samples=None, regenerate=False, self_prompts=0)
-
-
-
-def regenerate_for_run(cfg, out_dir: Path, tokenizer):
-    """data.regenerate: regenerate the run's conversations (the first data.max_samples on the training side of the
-    split, and the held-out side too: validation scores the drafter on the target's own answers to prompts it never
-    trained on) into <out_dir>/regenerated.jsonl, then data.self_prompts, all within data.regenerate_minutes.
-    Returns (the DataConfig that reads the result, the regeneration's stats as a dict)."""
-
-    d = cfg.data
-    targets, drafters = resolve_pipeline_devices(cfg.pipeline)
-    devices = list(dict.fromkeys(targets + drafters))  # every device the run will use, once each
-    out_path = Path(out_dir) / "regenerated.jsonl"
-    settings = RegenerateSettings(source=d.source, target=str(cfg.model.target or "smollm2"),
-                                  max_new_tokens=d.regenerate_max_new_tokens, temperature=0.0,
-                                  single_turn=d.regenerate_first_turn_only, max_length=d.max_length,
-                                  seed=cfg.train.seed)
-    counts: Counter = Counter()
-    cap = {False: d.max_samples, True: d.heldout_max if d.heldout_fraction > 0 else 0}
-
-    def items():
-        # Held-out conversations first: a time limit must never leave validation without its rows.
-        records = [(rid, conv, is_heldout(conv.key, cfg.train.seed, d.heldout_fraction))
-                   for rid, conv in iter_source_records(d.source, counts)]
-        taken = {False: 0, True: 0}
-        for rid, conv, held in sorted(records, key=lambda r: not r[2]):  # stable: file order within each side
-            if cap[held] is None or taken[held] < cap[held]:
-                taken[held] += 1
-                yield rid, conv, True
-            if all(cap[h] is not None and taken[h] >= cap[h] for h in (False, True)):
-                return
-
-    total = None if d.max_samples is None else d.max_samples + cap[True]
-    limit = f", for at most {d.regenerate_minutes:g} minutes" if d.regenerate_minutes else ""
-    log.info(f"data.regenerate: the target rewrites {d.max_samples or 'all'} training conversations of "
-             f"{d.source!r} into {out_path} on {', '.join(map(str, devices))}{limit}")
-    models = [load_causal_lm(cfg.model.target, dev) for dev in devices]
-    cuda = devices[0].type == "cuda"
-    batch = batch_size_for(models, d.max_length)
-    log.info(f"data.regenerate: {batch} conversations per batch on each device")
-    stop = threading.Event()  # set by the time limit: every phase below stops at its engine's next check
-    timer = threading.Timer(60 * d.regenerate_minutes, stop.set) if d.regenerate_minutes else None
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
-    try:
-        stats = regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
-                                   total=total, replace_mismatch=cfg.run.overwrite, stop=stop)
-        if d.self_prompts and not stop.is_set():  # prompts the target writes itself (generation/self_prompts.py)
-            d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings, stop=stop,
-                                    stats=stats)
-        elif d.self_prompts:
-            log.warning("data.regenerate_minutes ran out before data.self_prompts: training without self-written "
-                        "prompts (raise data.regenerate_minutes for them)")
-            d = dataclasses.replace(d, self_prompts=0)
-    finally:
-        if timer is not None:
-            timer.cancel()
-    if stop.is_set():
-        log.info(f"data.regenerate: stopped at the {d.regenerate_minutes:g}-minute limit; what was written is used "
-                 "(a rerun into the same directory resumes)")
-    del models
-    gc.collect()  # the runners' reference cycles hold the models, caches and graph pools until collected
-    if cuda:
-        torch.cuda.empty_cache()
-    return (dataclasses.replace(d, source=str(out_path), regenerate=False),
-            {"generated_tokens": stats.generated_tokens, "seconds": stats.seconds, "turns": stats.turns,
-             "conversations": stats.conversations, "row_use": stats.row_use()})
-
-
-def _training_side(path: Path, seed: int, fraction: float) -> int:
-    """Conversations of a chat file on the training side of the split."""
-
-    if not path.is_file():
-        return 0
-    return sum(not is_heldout(c.key, seed, fraction) for c in iter_conversations(path, Counter()))

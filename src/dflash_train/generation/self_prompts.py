@@ -13,8 +13,8 @@ Resumable: a rerun drops the records of the file's last batch (a crash may have 
 that batch on. A side file `<out>.meta.json` records the settings (the batch size too: it changes what a batch
 draws); a file written with other settings is never silently extended.
 
-data.self_prompts (generation/regenerate.py, answer_self_prompts) then has the target answer the prompts like any other conversation, into a
-file of their own that training mixes with the regenerated source (data.mix).
+data.self_prompts (generation/run_data.py, answer_self_prompts) then has the target answer the prompts like any other
+conversation, into a file of their own that training mixes with the regenerated source (data.mix).
 """
 
 from __future__ import annotations
@@ -36,7 +36,10 @@ import torch
 
 from ..data.conversations import special_token_ids
 from ..data.sidecar import check_settings_file
+from ..data.sources import Conversation
 from ..errors import UserError
+from ..inference.baseline import BatchGenerator
+from ..inference.benchmark import stop_token_ids
 
 log = logging.getLogger("dflash_train")
 
@@ -133,8 +136,6 @@ def sample_user_turns(hf, prefix_ids: list[int], rows: int, max_new_tokens: int,
     """`rows` sampled continuations of prefix_ids (each ends after its first stop token, kept; a row that reached
     max_new_tokens first has none). The one place self-prompts are decoded: swap the engine here. runner: a
     BatchGenerator built for rows x (prefix + max_new_tokens), reused across calls."""
-    from ..inference.baseline import BatchGenerator
-
     runner = runner or BatchGenerator(hf, rows, len(prefix_ids) + max_new_tokens)
     return runner.generate([prefix_ids] * rows, max_new_tokens, stop_ids, temperature, generator, pad_id)
 
@@ -199,9 +200,6 @@ def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings
                        replace: bool = False, stop: threading.Event | None = None) -> SelfPromptStats:
     """Sample until out_path holds `count` self-written prompts (or MAX_SAMPLED x count rows were sampled in all);
     appended, flushed after every batch, resumable. A set `stop` ends sampling before the next batch."""
-    from ..inference.baseline import BatchGenerator
-    from ..inference.benchmark import stop_token_ids
-
     out_path = Path(out_path)
     tpl = user_turn_template(tokenizer)
     stop_ids = {tpl.end_id, *stop_token_ids(hf, tokenizer)}
@@ -264,8 +262,6 @@ def self_prompt_items(records: list[dict]) -> Iterator[tuple[str, object, bool]]
     """Self-prompt records as regeneration items ((id, conversation, regenerate?), generation/regenerate.py): the id
     `self_<n>_0` keys the conversation as `self_<n>` for the train/held-out split (the `<key>_<n>` rule of source
     record ids), and an empty assistant turn marks the reply that is due (the target writes it; it is never shown)."""
-    from ..data.sources import Conversation
-
     for r in records:
         messages = [r["messages"][0], {"role": "assistant", "content": ""}]
         yield f"{r['id']}_0", Conversation(key=r["id"], messages=messages), True

@@ -29,7 +29,7 @@ import torch
 
 from ..config import Config, ConfigError
 from ..devices import resolve_config, resolve_pipeline_devices
-from ..generation.regenerate import regenerate_for_run
+from ..generation.run_data import regenerate_for_run
 from ..errors import UserError
 from ..models.checkpoint import save_drafter
 from ..models.build import init_output_norm

@@ -48,7 +48,7 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
               regenerate: RegenerateFn | None = None) -> RunSetup:
     """out_dir: already made (and locked) by prepare_out_dir, else made and locked here, and unlocked again if the
     setup fails (on success the caller's hold_run_dir scope unlocks it). regenerate: data.regenerate's step
-    (generation.regenerate.regenerate_for_run), passed in by the layer that owns generation; needed when
+    (generation.run_data.regenerate_for_run), passed in by the layer that owns generation; needed when
     cfg.data.regenerate is set."""
     if out_dir is None:
         out_dir = prepare_out_dir(cfg)
