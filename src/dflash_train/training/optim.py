@@ -29,7 +29,11 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_lr_ratio: fl
     warmup = max(1, int(round(total_steps * warmup_ratio))) if warmup_ratio > 0 else 0
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return _cosine(min(1.0, (step - warmup) / max(1, total_steps - warmup)), min_lr_ratio)
+
+
+def _cosine(progress: float, min_lr_ratio: float) -> float:
+    """The cosine decay from 1 to min_lr_ratio over progress 0..1 (after the warm-up)."""
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -39,8 +43,7 @@ def progress_factor(progress: float, step: int, total_steps: int, warmup_ratio: 
     (at least one step's worth, so the first step's LR is not zero), then cosine to min_lr_ratio."""
     if warmup_ratio > 0 and progress < warmup_ratio:
         return min(1.0, max(progress, (step + 1) / total_steps) / warmup_ratio)
-    rest = min(1.0, (progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * rest))
+    return _cosine(min(1.0, (progress - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio)), min_lr_ratio)
 
 
 def follows_clock(cfg: TrainConfig) -> bool:
