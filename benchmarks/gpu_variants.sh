@@ -9,8 +9,10 @@
 # not with a run that had the GPU alone). One line per variant (measured tau, speedup, verdict, validation's best
 # estimate, steps) goes to $OUT/variants.txt. Start it in its own session and poll (device calls are <= 10 minutes):
 #   setsid nohup bash benchmarks/gpu_variants.sh regen ce kd50 > /tmp/dflash/variants.log 2>&1 < /dev/null &
-# Variants: ce (the demo's recipe), kd50 (train.kd_weight=0.5), kd100 (kd_weight=1), deep (8 draft layers),
-# anchors2k (2,048 anchors per row), lr1e3 (lr 1e-3).
+# Variants: ce (the demo's recipe, DFlash v1), v2 (the same as a DFlash 2 drafter: model.architecture=dflash2 with
+# its default conv / selector sizes), kd50 (train.kd_weight=0.5), kd100 (kd_weight=1), deep (8 draft layers),
+# anchors2k (2,048 anchors per row), lr1e3 (lr 1e-3). v1 against v2 at the same data and budget:
+#   PARALLEL=1 TRAIN_MIN=2.5 bash benchmarks/gpu_variants.sh ce v2
 set -u
 export PYTHONPATH=/tmp/site:${SRC:-/tmp/dflash/src} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 S=/tmp/dflash
@@ -38,6 +40,7 @@ EOF
 variant_args() {
   case "$1" in
     ce) echo "" ;;
+    v2) echo "model.architecture=dflash2" ;;
     kd50) echo "train.kd_weight=0.5" ;;
     kd100) echo "train.kd_weight=1.0" ;;
     deep) echo "model.num_draft_layers=8" ;;
