@@ -6,6 +6,7 @@
 #   check    stage, then the GPU checks that need no real weights: a tiny pipeline with validation and the measurement
 #            after training (reduce-overhead steps in worker threads, flex target as a CUDA graph), and the
 #            `generate` benchmark (continuous batching vs static batches, SmolLM2 shape, random weights)
+#   check2   the tiny pipeline with a DFlash 2 drafter (model.architecture=dflash2)
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)
 #   poll     the demo log's last lines (issue the next call at once: a machine idle for 30 s is given back, and
@@ -29,9 +30,7 @@ stage() {
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 }
 
-check() {
-  stage
-  banner "tiny pipeline on the GPU: validation + measurement after training, reduce-overhead in worker threads"
+tiny_llama() {
   python3 - <<'EOF'
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,13 +39,31 @@ LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_l
                              num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
                              tie_word_embeddings=False)).save_pretrained("/tmp/tiny_llama")
 EOF
-  timeout 300 python3 -m dflash_train.cli train --config tiny_cpu model.target=/tmp/tiny_llama run.out_dir=/tmp/tinyrun \
+}
+
+# The tiny pipeline on the GPU (validation + measurement after training, reduce-overhead steps in worker threads,
+# flex target as a CUDA graph); $1 = run directory, the rest = extra overrides.
+tiny_run() {
+  local run=$1; shift
+  tiny_llama
+  timeout 300 python3 -m dflash_train.cli train --config tiny_cpu model.target=/tmp/tiny_llama run.out_dir=$run \
       run.overwrite=true "pipeline.target_devices=[cuda:0]" "pipeline.drafter_devices=[cuda:0]" \
       train.compile=reduce-overhead train.attention=flex train.dtype=bf16 model.target_attention=flex \
       model.target_graphs=true data.heldout_fraction=0.1 train.max_steps=60 train.eval_every=20 \
-      train.final_eval_prompts=4 train.final_eval_new_tokens=32 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
+      train.final_eval_prompts=4 train.final_eval_new_tokens=32 "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
+}
+
+check() {
+  stage
+  banner "tiny pipeline on the GPU"
+  tiny_run /tmp/tinyrun
   banner "generate benchmark: continuous batching vs static batches (SmolLM2 shape, random weights)"
   timeout 240 python3 benchmarks/bench.py --only generate --budget-s 200 2>&1 | tail -22
+}
+
+check2() {
+  banner "tiny pipeline on the GPU, DFlash 2 drafter"
+  tiny_run /tmp/tinyrun2 model.architecture=dflash2
 }
 
 join() {
@@ -67,7 +84,8 @@ start() {
   banner "start the demo"
   join
   # In a subshell: the call returns at once (a background job of this shell kept the call's output pipe open).
-  (cd /tmp && setsid nohup env PYTHONPATH=/tmp/site:$S/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+  # TOKENIZERS_PARALLELISM unset, as a user runs it: the demo tokenizes ~40k conversations in parallel.
+  (cd /tmp && setsid nohup env -u TOKENIZERS_PARALLELISM PYTHONPATH=/tmp/site:$S/src PYTHONUNBUFFERED=1 \
       python3 -m dflash_train.cli demo --device cuda --out $S/runs/demo model.target=$GGUF \
       data.source=$S/data/train_chats.jsonl ${DEMO_ARGS:-} > $S/demo.log 2>&1 < /dev/null &)
   sleep 45; grep -v -E "it/s\]|s/it\]" $S/demo.log | tail -8
