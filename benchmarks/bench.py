@@ -5,6 +5,7 @@
   PYTHONPATH=src python3 benchmarks/bench.py --only drafter,target     # a subset (matmul always runs: MFU needs it)
   PYTHONPATH=src python3 benchmarks/bench.py --suite cpu-smoke         # every benchmark at tiny shapes, seconds
   PYTHONPATH=src python3 benchmarks/bench.py --only pipeline --layouts 1+1,1+3,2+2   # target / drafter GPU splits
+  PYTHONPATH=src python3 benchmarks/bench.py --only dflash2           # DFlash v1 vs 2 drafter step, SmolLM2 shape
 
 Results also go to $OUT/bench_results.json (or ./bench_results.json), rewritten after every row. Benchmarks live
 in cases.py and cases_end_to_end.py, registered with @benchmark; shapes per suite in harness.py. docs/BENCHMARKS.md records the figures and what they mean.
@@ -24,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_ORDER = ["drafter", "target", "colocated", "pipeline", "generate"]
+DEFAULT_ORDER = ["drafter", "target", "colocated", "pipeline", "generate", "dflash2"]
 
 
 def parse_args(argv=None):
@@ -34,7 +35,8 @@ def parse_args(argv=None):
                         "29 documents, 1,024 anchors); cpu-generate: the smoke shapes, but a generation shape large "
                         "enough to time on a CPU")
     p.add_argument("--only", default="", help="comma-separated benchmarks (default: all): "
-                                              "matmul, drafter, target, colocated, pipeline, generate")
+                                              "matmul, drafter, target, colocated, pipeline, generate, "
+                                              "dflash2")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip variants that would start past this many seconds (gpu default 450)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per variant")
@@ -176,6 +178,9 @@ def derive_ratios(rows) -> dict:
         diffs = [abs(r.extra["loss_first"] - ref.extra["loss_first"]) for r in drafter_ok if "loss_first" in r.extra]
         if diffs:   # every variant's first step: same weights, same batch; only numerics may differ
             out["drafter first-step loss max |diff| vs reference"] = max(diffs)
+    v1, v2 = _row(rows, "dflash2", "dflash compile"), _row(rows, "dflash2", "dflash2 compile")
+    if v1 and v2:
+        out["dflash2 step time / dflash step time (same shape)"] = v2.ms / v1.ms
     colo = _row(rows, "colocated", "target")
     if colo:
         t = _row(rows, "target", "eager (document mask)", f"T={colo.shape.split()[0][2:]}")

@@ -13,12 +13,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from harness import (Context, CudagraphSkipLog, Row, Skip, Timer, benchmark, compile_counters, count_host_syncs,
-                     counters_delta, sync, time_calls)
+from harness import (SUITES, Context, CudagraphSkipLog, Row, Skip, Timer, benchmark, compile_counters,
+                     count_host_syncs, counters_delta, sync, time_calls)
 
-from dflash_train.config import TrainConfig
+from dflash_train.config import ModelConfig, TrainConfig
 from dflash_train.data.packing import Sample, make_batch, pack_samples
+from dflash_train.models.build import dflash2_config
 from dflash_train.models.drafter import DFlashDrafter, build_drafter_config
+from dflash_train.models.drafter2 import DFlash2Drafter
 from dflash_train.models.target import GraphedFeatures, TargetInfo, TargetModel, default_layer_ids
 from dflash_train.training.cudagraphs import configure_cudagraphs
 from dflash_train.training.flops import drafter_step_flops, target_forward_flops, visible_pairs
@@ -39,11 +41,15 @@ def target_info(suite) -> TargetInfo:
     return TargetInfo.from_config(target_config(suite))
 
 
-def drafter_config(suite):
+def drafter_config(suite, architecture: str = "dflash"):
+    """The suite's drafter; dflash2 with the config's default DFlash 2 sizes (model.conv_kernel_size, ...)."""
     info = target_info(suite)
     ids = default_layer_ids(info.num_layers, suite.num_taps)
-    return build_drafter_config(info, ids, mask_token_id=info.vocab_size - 1, block_size=suite.block_size,
-                                num_draft_layers=suite.draft_layers)
+    cfg = build_drafter_config(info, ids, mask_token_id=info.vocab_size - 1, block_size=suite.block_size,
+                               num_draft_layers=suite.draft_layers)
+    if architecture == "dflash2":
+        return dflash2_config(ModelConfig(architecture="dflash2", block_size=suite.block_size), cfg)
+    return cfg
 
 
 def packed_row(T: int, num_docs: int, vocab: int, seed: int = 0):
@@ -92,9 +98,10 @@ def build_target(ctx: Context, device: str | torch.device | None = None) -> Targ
     return target
 
 
-def train_batches(ctx: Context, n: int = 4):
-    """n TrainBatches of one packed row with different anchors (on the device), and their mean visible pairs."""
-    s = ctx.suite
+def train_batches(ctx: Context, n: int = 4, suite=None):
+    """n TrainBatches of one packed row with different anchors (on the device), and their mean visible pairs.
+    suite: whose shapes (default ctx.suite)."""
+    s = suite or ctx.suite
     row = packed_row(s.token_budget, s.num_docs, s.target["vocab_size"])
     batches = [make_batch(row, s.num_anchors, seed=0, index=i) for i in range(n)]
     pairs = statistics.mean(visible_pairs(b.anchors, b.doc_ids, s.block_size) for b in batches)
@@ -102,15 +109,18 @@ def train_batches(ctx: Context, n: int = 4):
 
 
 class DrafterRig:
-    """A fresh drafter (fp32 master weights), its optimizer and a step function, as the trainer drives them."""
+    """A fresh drafter (fp32 master weights), its optimizer and a step function, as the trainer drives them.
+    suite: whose shapes and timing knobs (default ctx.suite); architecture: dflash | dflash2 (model.architecture)."""
 
-    def __init__(self, ctx: Context, compile_mode: str, attention: str, tag: str, reference: bool = False):
-        s, dev = ctx.suite, ctx.device
-        self.cfg = drafter_config(s)
+    def __init__(self, ctx: Context, compile_mode: str, attention: str, tag: str, reference: bool = False,
+                 suite=None, architecture: str = "dflash"):
+        s, dev = suite or ctx.suite, ctx.device
+        self.suite = s
+        self.cfg = drafter_config(s, architecture)
         H, V = self.cfg.hidden_size, self.cfg.vocab_size
         torch.manual_seed(0)
         with torch.device(dev):
-            self.drafter = DFlashDrafter(self.cfg).train()
+            self.drafter = (DFlash2Drafter if architecture == "dflash2" else DFlashDrafter)(self.cfg).train()
             self.embed_w = (torch.randn(V, H) * 0.02).to(s.dtype)
             self.head_w = (torch.randn(V, H) * 0.02).to(s.dtype)
         self.tcfg = TrainConfig(token_budget=s.token_budget, num_anchors=s.num_anchors, compile=compile_mode,
@@ -157,7 +167,7 @@ def reference_step(rig: DrafterRig, b, feats):
 def measure_drafter(ctx: Context, rig: DrafterRig, batches, feats, flops: float) -> Row:
     """Time full training steps (fwd+bwd, clip, AdamW) with device events; count host syncs; collect compile
     diagnostics. ms = median step; MFU over the step's model FLOPs."""
-    s, dev = ctx.suite, ctx.device
+    s, dev = rig.suite, ctx.device
     before = compile_counters()
     with CudagraphSkipLog() as cg:
         t0 = time.perf_counter()
@@ -230,6 +240,20 @@ def bench_matmul(ctx: Context):
     ctx.variant("matmul", "device copy", "2 GiB" if dev.type == "cuda" else "8 MiB", copy)
 
 
+def drafter_step_row(ctx: Context, mode: str, attention: str, tag: str, reference: bool = False, suite=None,
+                     architecture: str = "dflash") -> Row:
+    """One drafter-step variant measured on random features: a fresh rig, its model FLOPs, measure_drafter."""
+    s, dev = suite or ctx.suite, ctx.device
+    batches, pairs = train_batches(ctx, suite=s)
+    rig = DrafterRig(ctx, mode, attention, tag=tag, reference=reference, suite=s, architecture=architecture)
+    flops = drafter_step_flops(rig.cfg, s.token_budget, s.num_anchors, pairs)
+    feats = torch.randn(s.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size, device=dev, dtype=s.dtype)
+    row = measure_drafter(ctx, rig, batches, feats, flops["train"])
+    row.extra.update(flops=flops, visible_pairs=pairs, architecture=architecture,
+                     params=sum(p.numel() for p in rig.params))
+    return row
+
+
 @benchmark("drafter", "drafter training step alone (fwd+bwd+clip+AdamW): eager, compile default / reduce-overhead, "
                       "and the straightforward reference")
 def bench_drafter(ctx: Context):
@@ -242,18 +266,29 @@ def bench_drafter(ctx: Context):
                 ("compile default", "default", flex, False, 150),
                 ("compile reduce-overhead", "reduce-overhead", flex, False, 90)]
     for name, mode, attention, reference, cost in variants:
-        def run(mode=mode, attention=attention, reference=reference, name=name):
-            batches, pairs = train_batches(ctx)
-            rig = DrafterRig(ctx, mode, attention, tag=f"bench_{mode.replace('-', '_')}_{int(reference)}",
-                             reference=reference)
-            flops = drafter_step_flops(rig.cfg, s.token_budget, s.num_anchors, pairs)
-            feats = torch.randn(s.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size, device=dev,
-                                dtype=s.dtype)
-            row = measure_drafter(ctx, rig, batches, feats, flops["train"])
-            row.extra["flops"] = flops
-            row.extra["visible_pairs"] = pairs
-            return row
+        def run(mode=mode, attention=attention, reference=reference):
+            return drafter_step_row(ctx, mode, attention, f"bench_{mode.replace('-', '_')}_{int(reference)}",
+                                    reference)
         ctx.variant("drafter", name, shape, run, cost_s=cost)
+
+
+@benchmark("dflash2", "drafter training step, DFlash v1 and DFlash 2 side by side (model.architecture), compile "
+                      "reduce-overhead, at the SmolLM2-135M demo's shape on GPU (the smoke suite: its tiny shape)")
+def bench_dflash2(ctx: Context):
+    # Shapes from the suite the running one names (the GPU suites: gpu-smollm2's rows of 8,192 tokens, 29
+    # documents, 1,024 anchors x 16); timing knobs (warmup, iters) from the running suite.
+    s = ctx.suite
+    if s.dflash2_shapes:
+        s = dataclasses.replace(SUITES[s.dflash2_shapes], warmup=s.warmup, iters=s.iters)
+    mode, flex = "reduce-overhead", "flex" if ctx.device.type == "cuda" else "sdpa"
+    info = target_info(s)
+    shape = (f"H={info.hidden_size} V={info.vocab_size} L={s.draft_layers} T={s.token_budget} "
+             f"A={s.num_anchors}x{s.block_size}")
+    for arch in ("dflash", "dflash2"):
+        def run(arch=arch):
+            return drafter_step_row(ctx, mode, flex, f"bench_{arch}_{mode.replace('-', '_')}", suite=s,
+                                    architecture=arch)
+        ctx.variant("dflash2", f"{arch} compile {mode}", shape, run, cost_s=90)
 
 
 @benchmark("target", "target stage alone: feature-tap forward (TargetModel.features), eager and torch.compile")

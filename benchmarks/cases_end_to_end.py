@@ -410,6 +410,7 @@ class _FeatsByBatch:
 
     def __init__(self, rig: DrafterRig, batches: list, feats: list):
         self.rig, self.feats = rig, {id(b): f for b, f in zip(batches, feats)}
+        self.suite = rig.suite
 
     def fwd_bwd(self, batch, _feats):
         return self.rig.fwd_bwd(batch, self.feats[id(batch)])

@@ -46,6 +46,7 @@ class Suite:
                                          # new_tokens, max_length, median_prompt (tokens; log-normal lengths)
     layouts: list[str] | None = None     # pipeline: 'shared' | 'T+D' (parse_layouts); None = shared (+ 1+1 on 2 GPUs)
     pipeline_steps: int | None = None    # pipeline: training steps per layout; None = 30 on GPU, 6 on CPU
+    dflash2_shapes: str | None = None    # dflash2 benchmark: the suite whose shapes it measures (None = this one)
 
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -62,7 +63,7 @@ SUITES = {
                  block_size=16, token_budget=4096, num_anchors=512, target_seqs=[2048, 4096],
                  target_compile_seqs=[4096, 2048], warmup=3, iters=10, budget_s=450.0,
                  generate=dict(target=SMOLLM2_135M, batch=256, prompts=512, new_tokens=128, max_length=2048,
-                               median_prompt=80)),
+                               median_prompt=80), dflash2_shapes="gpu-smollm2"),
     "cpu-smoke": Suite("cpu-smoke", "cpu", torch.float32, matmul_n=256, target=TINY, num_taps=3, draft_layers=2,
                        block_size=4, token_budget=64, num_anchors=8, target_seqs=[32, 64], target_compile_seqs=[64],
                        num_docs=2, warmup=1, iters=2, compile_backend="aot_eager", cpu_threads=1,

@@ -25,12 +25,13 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["rows"]
-    assert {r["bench"] for r in rows} == {"matmul", "drafter", "target", "colocated", "pipeline", "generate"}
+    assert {r["bench"] for r in rows} == {"matmul", "drafter", "target", "colocated", "pipeline", "generate",
+                                          "dflash2"}
     ok = {(r["bench"], r["variant"]) for r in rows if r["status"] == "ok"}
     assert {v for b, v in ok if b == "drafter"} == {"eager", "reference: dense mask+SDPA, fp32 logits, eager",
                                                     "compile default", "compile reduce-overhead"}
     for r in rows:
-        if r["status"] == "ok" and r["bench"] in ("drafter", "target", "colocated") and r["variant"] != "build":
+        if r["status"] == "ok" and r["bench"] in ("drafter", "target", "colocated", "dflash2") and r["variant"] != "build":
             assert r["ms"] > 0 and r["mfu"] > 0 and r["tokens_per_s"] > 0, r
     drafter = [r for r in rows if r["bench"] == "drafter"]
     for r in drafter:
@@ -38,6 +39,13 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
         assert r["extra"]["flops"]["train"] > r["extra"]["flops"]["forward"] > 0
     compiled = [r for r in drafter if r["variant"].startswith("compile")]
     assert all(r["extra"]["compile"]["graph_breaks"] == 0 for r in compiled), compiled
+    # DFlash v1 and 2 side by side: the same shape, the same compiled step; v2 adds its convolutions and selector
+    arch = {r["extra"]["architecture"]: r for r in rows if r["bench"] == "dflash2" and r["status"] == "ok"}
+    assert set(arch) == {"dflash", "dflash2"}, [r for r in rows if r["bench"] == "dflash2"]
+    v1, v2 = arch["dflash"]["extra"], arch["dflash2"]["extra"]
+    assert v1["compile"]["graph_breaks"] == 0 and v2["compile"]["graph_breaks"] == 0
+    assert v2["loss"] == v2["loss"] and v2["params"] > v1["params"] and v2["flops"]["train"] > v1["flops"]["train"]
+    assert {"conv_kernels", "conv_taps", "selector_projection"} <= set(v2["flops"]) and "conv_taps" not in v1["flops"]
     generate = [r for r in rows if r["bench"] == "generate"]
     assert len(generate) == 8 and all(r["status"] == "ok" for r in generate), generate
     decoded = [r for r in generate if not r["variant"].startswith("bound")]
@@ -48,7 +56,7 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
     assert pipeline["one CPU shared"]["extra"]["vs_slowest_stage"] > 0
     # the table (and the goal ratios) are the last thing printed
     table = proc.stdout[proc.stdout.rfind("== dflash-train bench"):]
-    assert table and "drafter best MFU" in table and "colocated" in table
+    assert table and "drafter best MFU" in table and "colocated" in table and "dflash2 step time" in table
 
 
 def run_bench(tmp_path, *args, timeout=BENCH_HANG_GUARD_S):

@@ -1,4 +1,5 @@
-"""Model FLOPs of the two stages, for MFU: useful arithmetic only (matmuls, and attention over visible keys).
+"""Model FLOPs of the two stages, for MFU: useful arithmetic only (matmuls, attention over visible keys, and
+DFlash 2's convolutions and selector scores).
 
 Drafter training step, one packed row: T context tokens, A anchors x B block tokens (N = A*B), L layers of width H,
 h query / hk key-value heads of size d, MLP width I, k tapped target layers, vocabulary V. Forward:
@@ -11,6 +12,17 @@ A training step counts 3x forward (forward, input gradient, weight gradient) for
 2x for fc (its input, the frozen target features, needs no gradient) and 2x for the frozen LM head (forward and
 input gradient, no weight gradient). Norms, RoPE, softmax and the optimizer are not counted.
 
+DFlash 2 (models/drafter2.py) adds, with K = conv_kernel_size taps, G = H / conv_group_size kernel groups, r =
+selector_rank, c = selector_top_k candidates and n = A*(B-1) drafted positions:
+  conv kernels L * 2 * 2 * N * H * (2*K*G)                         kernel_projection of attention_conv and mlp_conv
+  conv taps    L * 2 * 2 * 2 * N * K * H                           both convs, each applied to its sublayer's input
+                                                                   and output: K multiply-adds per channel
+  selector     2 * n * H * r  (projection)  +  2 * n * c * r  (scores)   W h, then <P[prev] * W h, S[candidate]>
+each 3x in a training step. The conv taps and the selector scores are elementwise multiply-adds doing a matmul's
+job (a matmul FLOP counter does not see them). The selector's candidates are the top c of the LM head's logits,
+already counted: the second, gradient-free LM-head forward that training/selector.py runs to find them is
+recompute, not model FLOPs, and is left out, as is the add of the base kernel to the dynamic one.
+
 Target feature forward over T tokens through the layers that run (the deepest tap and below):
   layers_run * (2 * T * (H*h*d + 2*H*hk*d + h*d*H + 3*H*I) + 4 * h*d * P),  P = T^2 / 2 for one causal document.
 """
@@ -18,6 +30,8 @@ Target feature forward over T tokens through the layers that run (the deepest ta
 from __future__ import annotations
 
 import torch
+
+from ..models.drafter2 import Drafter2Config
 
 
 def visible_pairs(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int) -> int:
@@ -33,8 +47,14 @@ def _layer_matmul_params(hidden: int, intermediate: int, heads: int, kv_heads: i
     return hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim + 3 * hidden * intermediate
 
 
+# A training step's FLOPs per forward FLOP of each component (module docstring).
+TRAIN_FACTOR = {"fc": 2, "context_kv": 3, "layers": 3, "attention": 3, "lm_head": 2,
+                "conv_kernels": 3, "conv_taps": 3, "selector_projection": 3, "selector_scores": 3}
+
+
 def drafter_step_flops(cfg, context_len: int, num_anchors: int, pairs: int) -> dict[str, float]:
-    """cfg: DrafterConfig. -> forward FLOPs per component, plus 'forward' and 'train' (the step's total)."""
+    """cfg: DrafterConfig, or Drafter2Config (DFlash 2's terms too). -> forward FLOPs per component, plus
+    'forward' and 'train' (the step's total)."""
     H, L, V, B = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.block_size
     h, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     T, N = context_len, num_anchors * B
@@ -45,10 +65,16 @@ def drafter_step_flops(cfg, context_len: int, num_anchors: int, pairs: int) -> d
         "attention": L * 4.0 * h * d * pairs,
         "lm_head": 2.0 * num_anchors * (B - 1) * H * V,
     }
-    factor = {"fc": 2, "context_kv": 3, "layers": 3, "attention": 3, "lm_head": 2}
+    if isinstance(cfg, Drafter2Config):  # DFlash 2's additions
+        K, G, r = cfg.conv_kernel_size, H // cfg.conv_group_size, cfg.selector_rank
+        n = num_anchors * (B - 1)
+        fwd["conv_kernels"] = L * 2 * 2.0 * N * H * 2 * K * G
+        fwd["conv_taps"] = L * 2 * 2 * 2.0 * N * K * H
+        fwd["selector_projection"] = 2.0 * n * H * r
+        fwd["selector_scores"] = 2.0 * n * cfg.selector_top_k * r
     out = dict(fwd)
     out["forward"] = sum(fwd.values())
-    out["train"] = sum(factor[k] * v for k, v in fwd.items())
+    out["train"] = sum(TRAIN_FACTOR[k] * v for k, v in fwd.items())
     return out
 
 
