@@ -1,6 +1,7 @@
 """DFlash 2 drafters: the export loads into the reference DFlash2DraftModel (PyPI `dflash`, a test dependency) key for
 key and computes what ours does in fp32; the reference's dflash_generate with our drafter is the target's greedy
-output; the block-causal convolution against a naive per-position loop; config checks.
+output; the block-causal convolution against a naive per-position loop; config checks; the step's FLOP formula
+(v1 and v2) against a direct count.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ import time
 import dflash.model as ref_dflash  # installed by .ci/run (pip install --no-deps dflash==0.1.0): never skipped
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from conftest import make_tiny_target
 from dflash_train.config import ConfigError, load_config
 from dflash_train.models.build import build_drafter
 from dflash_train.models.checkpoint import load_drafter, save_drafter
-from dflash_train.models.drafter2 import DFlash2Drafter, DynamicCausalConv
+from dflash_train.data.packing import sample_anchors
+from dflash_train.models.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.models.drafter2 import DFlash2Drafter, Drafter2Config, DynamicCausalConv
 from dflash_train.models.target import target_config_info
-from dflash_train.training.objective import sdpa_attend
+from dflash_train.training.flops import drafter_step_flops
+from dflash_train.training.objective import dflash_loss, sdpa_attend
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run fastest on one thread
 
@@ -83,7 +88,6 @@ def test_block_causal_convolution_equals_per_position_loop():
 
 def test_fresh_dflash2_layers_compute_what_dflash_layers_do(tiny_llama):
     """Identity init of the convolutions: a fresh DFlash 2 drafter with the v1 drafter's weights is the v1 drafter."""
-    from dflash_train.models.drafter import DFlashDrafter
 
     fresh = make_drafter2(tiny_llama, jitter=0.0)
     v1 = DFlashDrafter(fresh.config)
@@ -204,7 +208,7 @@ def test_training_layout_drafts_what_inference_drafts(biased_llama):
     decoding's drafts up to and including its first wrong one."""
     from dflash_train.inference.baseline import target_generate
     from dflash_train.models.target import load_target
-    from dflash_train.training.objective import default_gamma, dflash_loss
+    from dflash_train.training.objective import default_gamma
 
     t = load_target(biased_llama, LAYERS, truncate=False)
     drafter = coin_drafter(make_drafter2(biased_llama, seed=4))
@@ -237,7 +241,7 @@ def test_training_layout_accepts_every_draft_where_the_sequence_is_decodings_dra
     drafts, so its accept_len is B. The hidden states at the real sequence's anchors are decoding's."""
     from dflash_train.inference.speculative import speculative_generate
     from dflash_train.models.target import load_target
-    from dflash_train.training.objective import default_gamma, dflash_loss, draft_hidden
+    from dflash_train.training.objective import default_gamma, draft_hidden
 
     t = load_target(tiny_llama, LAYERS, truncate=False)
     drafter = make_drafter2(tiny_llama, seed=5)
@@ -316,8 +320,6 @@ def test_dflash2_training_step_traces_as_one_graph_and_learns():
     """The DFlash 2 loss (drafter + selector term) traces as one graph with the same gradients as eager, and a few
     optimizer steps on a fixed row lower it (every new parameter receives gradient)."""
     from test_objective_fast import _tiny_setup
-    from dflash_train.models.drafter2 import DFlash2Drafter, Drafter2Config
-    from dflash_train.training.objective import dflash_loss
 
     drafter, row, anchors, valid, feats, embed_w, head_w = _tiny_setup()
     torch.manual_seed(0)
@@ -345,6 +347,53 @@ def test_dflash2_training_step_traces_as_one_graph_and_learns():
         opt.step()
     with torch.no_grad():
         assert float(loss()) < 0.9 * float(first)
+
+
+# ------------------------------------------------------------------------------------------ FLOPs
+
+def _cpu_sdpa_flop_formulas() -> dict:
+    """FlopCounterMode formulas for the CPU's fused SDPA kernels (torch registers only the CUDA ones); dense: every
+    (query, key) pair, as the boolean mask is applied inside the kernel."""
+    aten = torch.ops.aten
+    return {aten._scaled_dot_product_flash_attention_for_cpu:
+            lambda q, k, v, *_, out_shape=None, **__: sdpa_flop_count(q, k, v),
+            aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            lambda g, q, k, v, *_, out_shape=None, **__: sdpa_backward_flop_count(g, q, k, v)}
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_drafter_step_flops_match_a_direct_count(architecture):
+    """training/flops.py against torch's FlopCounterMode over one training step (forward and backward of the loss),
+    tiny sizes chosen so that no two terms coincide, dense SDPA (every pair computed: the formula is given
+    P = N * (T + N)). The counter sees matmuls and SDPA, and counts recompute; so exactly
+        counted = formula - the elementwise terms (DFlash 2's conv taps and selector scores, 3x each)
+                  + SDPA backward's recompute of the scores (0.5x the attention forward)
+                  + DFlash 2's gradient-free top-k LM-head pass (the LM head's forward again)."""
+    torch.manual_seed(0)
+    Bs, T, A, Hs, Vs = 4, 48, 8, 32, 50
+    cfg = DrafterConfig(hidden_size=Hs, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, vocab_size=Vs, target_layer_ids=[1, 2],
+                        num_target_layers=4, mask_token_id=Vs - 1, block_size=Bs)
+    if architecture == "dflash2":
+        cfg = Drafter2Config(**cfg.to_dict(), conv_kernel_size=3, conv_group_size=8, selector_top_k=6,
+                             selector_rank=12)
+    drafter = (DFlash2Drafter if architecture == "dflash2" else DFlashDrafter)(cfg)
+    doc = torch.arange(T) // 16                                                     # 3 documents of 16 tokens
+    loss_mask = torch.arange(T) % 16 >= 2
+    anchors, valid = sample_anchors(loss_mask, doc, A, torch.Generator().manual_seed(0))
+    row = dict(input_ids=torch.randint(0, Vs - 1, (T,)), position_ids=torch.arange(T) % 16, doc_ids=doc,
+               loss_mask=loss_mask, anchors=anchors, anchor_valid=valid)
+    feats, embed_w, head_w = torch.randn(T, 2 * Hs), torch.randn(Vs, Hs), torch.randn(Vs, Hs)
+
+    counter = FlopCounterMode(display=False, custom_mapping=_cpu_sdpa_flop_formulas())
+    with counter:
+        dflash_loss(drafter, embed_w, head_w, feats, **row, block_size=Bs, gamma=2.0)["loss"].backward()
+    f = drafter_step_flops(cfg, T, A, pairs=A * Bs * (T + A * Bs))
+    expected = (f["train"] - 3 * f.get("conv_taps", 0) - 3 * f.get("selector_scores", 0)
+                + 0.5 * f["attention"] + (f["lm_head"] if architecture == "dflash2" else 0))
+    assert counter.get_total_flops() == expected, (counter.get_flop_counts()["Global"], f)
+    assert ({"conv_kernels", "conv_taps", "selector_projection", "selector_scores"} <= set(f)) == \
+        (architecture == "dflash2")
 
 
 # ------------------------------------------------------------------------------------------ the evaluator
