@@ -7,17 +7,20 @@ output; the block-causal convolution against a naive per-position loop; config c
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import dflash.model as ref_dflash  # installed by .ci/run (pip install --no-deps dflash==0.1.0): never skipped
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from transformers import Qwen3Config
 
 from conftest import make_tiny_target
 from dflash_train.config import ConfigError, load_config
 from dflash_train.models.build import build_drafter
-from dflash_train.models.checkpoint import load_drafter, save_drafter
+from dflash_train.models.checkpoint import (CheckpointError, drafter_config_json, load_drafter, load_drafter_config,
+                                           save_drafter)
 from dflash_train.data.packing import sample_anchors
 from dflash_train.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.models.drafter2 import DFlash2Drafter, Drafter2Config, DynamicCausalConv
@@ -184,6 +187,35 @@ def test_bad_dflash2_sizes_are_one_config_error(tiny_llama, over, needle):
 def test_dflash2_sizes_that_do_not_fit_the_target_are_refused(tiny_llama, over, needle):
     with pytest.raises(ConfigError, match=needle):
         make_drafter2(tiny_llama, *over)
+
+
+@pytest.mark.parametrize("over, odd", [
+    ({"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": True, "sliding_window": 8}, [1]),
+    ({"layer_types": None, "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}, [0, 1]),
+    ({"layer_types": ["sliding_attention", "full_attention"], "is_causal": None}, [0]),   # causal, no window
+    ({"is_causal": True}, [0, 1]),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, []),   # no window, is_causal false: full after all
+])
+def test_sliding_window_or_causal_drafters_are_refused_as_the_reference_reads_them(tmp_path, over, odd):
+    """A config.json whose layers the reference attends with a window or causally (given layer_types, or derived
+    from use_sliding_window as Qwen3Config does; is_causal) is one CheckpointError naming those layers, on every
+    path that reads a drafter directory (drafter_init, eval, resume): our drafters attend fully in every layer."""
+    cfg = Drafter2Config(hidden_size=H, intermediate_size=2 * H, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, vocab_size=V, target_layer_ids=[1, 2],
+                         num_target_layers=4, mask_token_id=V - 1, block_size=B)
+    d = drafter_config_json(cfg) | over
+    ref = ref_dflash.DFlash2DraftModel(Qwen3Config.from_dict(d))
+    read = [i for i, layer in enumerate(ref.layers)
+            if layer.self_attn.sliding_window is not None or layer.self_attn.is_causal]
+    assert read == odd                                       # what the reference would run
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    if odd:
+        with pytest.raises(CheckpointError, match=rf"gives layer\(s\) {re.escape(str(odd))} sliding-window or "):
+            load_drafter_config(tmp_path)
+    else:
+        assert load_drafter_config(tmp_path) == cfg
+    (tmp_path / "config.json").write_text(json.dumps(drafter_config_json(cfg)))
+    assert load_drafter_config(tmp_path) == cfg                # our own export: full attention, loads
 
 
 # ------------------------------------------------------------------------------------------ training vs inference
@@ -425,10 +457,6 @@ def test_evaluator_runs_dflash2_losslessly_and_as_the_reference_does(biased_llam
 
 
 def _ref_config(drafter):
-    from transformers import Qwen3Config
-
-    from dflash_train.models.checkpoint import drafter_config_json
-
     return Qwen3Config(**drafter_config_json(drafter.config))
 
 

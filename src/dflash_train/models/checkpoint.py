@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
 
 from .drafter import DFlashDrafter, DrafterConfig
 from .drafter2 import DFlash2Drafter, Drafter2Config
@@ -88,7 +89,32 @@ def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) 
     return d
 
 
+def check_full_attention(d: dict, source: str = "config.json") -> None:
+    """Refuse a drafter config that the reference runs with a sliding window or causally in some layer. It reads
+    layer_types through Qwen3Config (given, or derived from use_sliding_window / max_window_layers), a sliding layer's
+    window is sliding_window (None unless use_sliding_window), and a layer is causal if is_causal says so or, when
+    is_causal is absent, if it is a sliding layer. dflash-train's drafters attend to the whole context and, within the
+    block, bidirectionally in every layer: such a drafter would be trained or evaluated as something it is not."""
+    try:
+        ref = Qwen3Config.from_dict(d)
+    except Exception as e:  # noqa: BLE001 - transformers' checks of a malformed file; their error types vary
+        raise CheckpointError(f"{source} is not a valid Qwen3 drafter config "
+                              f"({str(e).strip().splitlines()[-1].strip()}).") from None
+    odd = []
+    for i, kind in enumerate(ref.layer_types):
+        sliding = kind == "sliding_attention"
+        causal = sliding if d.get("is_causal") is None else bool(d["is_causal"])
+        if causal or (sliding and ref.sliding_window is not None):
+            odd.append(i)
+    if odd:
+        raise CheckpointError(
+            f"{source} gives layer(s) {odd} sliding-window or causal attention (layer_types {ref.layer_types}, "
+            f"sliding_window {ref.sliding_window}, is_causal {d.get('is_causal')}), which dflash-train's drafters "
+            "do not support; serve such a drafter with SGLang or vLLM, or train one of full_attention layers here.")
+
+
 def drafter_config_from_json(d: dict, source: str = "config.json") -> DrafterConfig:
+    check_full_attention(d, source)
     try:
         dc = d["dflash_config"]
         v2 = "DFlash2DraftModel" in d.get("architectures", [])
