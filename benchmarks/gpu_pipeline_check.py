@@ -5,8 +5,8 @@ Cases, each in its own subprocess (a fresh CUDA context and inductor config per 
   all-gpus     target cuda:0, one drafter replica per visible GPU (cuda:0 shared with the target)   -> trains
   all-nccl     all-gpus with pipeline.grad_reduce=nccl (only with 2+ GPUs)                          -> trains
   split        target cuda:0, drafters on cuda:1..N-1 (only with 2+ GPUs)                             -> trains
-  trees-on     all-gpus with CUDAGraph Trees forced back on (DFLASH_CUDAGRAPH_TREES=1)                 -> must FAIL
-               with the trees' AssertionError in the drafter's worker thread
+  trees-on     torch's defaults (trees on), no pipeline: a reduce-overhead step on a worker thread  -> must FAIL
+               with the trees' AssertionError, as a drafter's step would (why training/cudagraphs.py exists)
 Prints steps/s, the stages' busy/wait fractions and whether the replicas stayed identical, then a table.
 
   Run (from the repo root): PYTHONPATH=src python3 benchmarks/gpu_pipeline_check.py
@@ -37,8 +37,43 @@ def overrides(target: str, out: Path, drafters: list[str], grad_reduce: str = "h
             f"pipeline.grad_reduce={grad_reduce}"]
 
 
+def run_trees_case() -> dict:
+    """In the child: what training/cudagraphs.py guards against. With the trees on and their module imported by the
+    main thread first, a compiled reduce-overhead forward + backward called on a plain threading.Thread fails."""
+    import threading
+
+    import torch
+    import torch._inductor.cudagraph_trees  # noqa: F401 - imported in the main thread first, as real programs do
+
+    torch._inductor.config.triton.cudagraph_trees = True  # torch's default; this child never applies the policy
+    layer = torch.nn.Linear(1024, 1024, device="cuda")
+    step = torch.compile(lambda x: layer(x).square().mean(), mode="reduce-overhead")
+    errors: list[str] = []
+
+    def work() -> None:
+        try:
+            x = torch.randn(256, 1024, device="cuda")
+            for _ in range(3):  # warm-up, capture, replay
+                step(x).backward()
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - reported in the table
+            errors.append(traceback.format_exc())
+
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=work, name="dflash-drafter0")
+    worker.start()
+    worker.join()
+    if not errors:
+        return {"ok": False, "seconds": time.perf_counter() - t0, "assertion": False, "trees": True,
+                "error": "ran: with the trees on, the worker thread's compiled step no longer fails"}
+    return {"ok": False, "seconds": time.perf_counter() - t0, "assertion": "AssertionError" in errors[0],
+            "error": errors[0].strip().splitlines()[-1][:200], "trees": True}
+
+
 def run_case(spec: dict) -> dict:
     """In the child: train, return the figures (or the error)."""
+    if spec["trees"]:
+        return run_trees_case()
     import logging
 
     import torch
@@ -69,13 +104,12 @@ def run_case(spec: dict) -> dict:
 
 
 def launch(name: str, target: str, drafters: list[str], trees: bool, grad_reduce: str = "host") -> dict:
-    spec = {"target": target, "out": str(WORK / name), "drafters": drafters, "reduce": grad_reduce}
-    env = dict(os.environ, DFLASH_CUDAGRAPH_TREES="1" if trees else "0")
+    spec = {"target": target, "out": str(WORK / name), "drafters": drafters, "reduce": grad_reduce, "trees": trees}
     print(f"\n=== {name}: target cuda:0, drafters {drafters}, cudagraph trees {'on' if trees else 'off'}, "
           f"grad_reduce {grad_reduce}", flush=True)
     try:
-        p = subprocess.run([sys.executable, __file__, "--case", json.dumps(spec)], env=env, capture_output=True,
-                           text=True, timeout=CASE_TIMEOUT_S)
+        p = subprocess.run([sys.executable, __file__, "--case", json.dumps(spec)], capture_output=True, text=True,
+                           timeout=CASE_TIMEOUT_S)
         lines = (p.stdout + p.stderr).splitlines()
         print("\n".join(line[:240] for line in lines[-25:]), flush=True)
         found = [line for line in lines if line.startswith("RESULT ")]

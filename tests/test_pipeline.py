@@ -160,8 +160,8 @@ def test_nccl_grad_reduce_protocol_gives_every_replica_the_mean(monkeypatch):
             b.copy_(total)
     monkeypatch.setattr(gradsync, "nccl_all_reduce", fake_all_reduce)
     n, rounds = 3, 5
-    avg = gradsync.GradAverager(n, method="nccl")
     control = RunControl()
+    avg = gradsync.GradAverager(n, control, method="nccl")
     params = [[torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))] for _ in range(n)]
     g = torch.Generator().manual_seed(0)
     grads = {(r, k): [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)] for r in range(n)
@@ -184,7 +184,7 @@ def test_nccl_grad_reduce_protocol_gives_every_replica_the_mean(monkeypatch):
             for p, g in zip(params[r], grads[r, k]):
                 p.grad.copy_(g)  # in place, as DrafterStep's persistent .grad buffers
             log = k % 2 == 0
-            out = avg.all_reduce(w, r, params[r], {"loss": losses[r, k]} if log else None)
+            out = avg.all_reduce(r, params[r], {"loss": losses[r, k]} if log else None, w.wait_for, w.beat)
             seen[r, k] = ([p.grad.clone() for p in params[r]], out)
 
     for p_list in params:

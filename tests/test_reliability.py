@@ -30,7 +30,7 @@ from dflash_train.data.packing import BatchSchedule
 from dflash_train.data.synthetic import synthetic_samples
 from dflash_train.errors import UserError
 from dflash_train.pipeline.coordinator import train_pipeline
-from dflash_train.pipeline.faults import ENV_VAR, parse_faults
+from dflash_train.pipeline.faults import ENV_VAR, FaultPlan, RANK_ENV_VAR, parse_faults
 from dflash_train.pipeline.worker import THREAD_PREFIX
 from dflash_train.training.checkpointing import STATE_NAME, CheckpointManager
 from dflash_train.training.run import RUN_CONFIG_NAME
@@ -190,6 +190,23 @@ def test_fault_specs_parse_and_reject_nonsense():
                 "prefetch:step=x:raise", "coordinator:step=2"):
         with pytest.raises(UserError, match=ENV_VAR):
             parse_faults(bad)
+
+
+def test_a_run_without_faults_carries_no_plan(monkeypatch):
+    """The fault-injection seam: no DFLASH_FAULT (or faults for another rank) is no plan at all, so every injection
+    point is one `is None` test and checkpoints get no hook; faults for this rank are a plan."""
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv(RANK_ENV_VAR, raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert FaultPlan.from_env() is None
+    monkeypatch.setenv(ENV_VAR, " , ")
+    assert FaultPlan.from_env() is None
+    monkeypatch.setenv(ENV_VAR, "drafter0:step=2:raise")
+    assert [str(f) for f in FaultPlan.from_env().faults] == ["drafter0:step=2:raise"]
+    monkeypatch.setenv(RANK_ENV_VAR, "1")
+    assert FaultPlan.from_env() is None  # this process is rank 0
+    monkeypatch.setenv("RANK", "1")
+    assert FaultPlan.from_env() is not None
 
 
 # ------------------------------------------------------------------------------------------ checkpoints

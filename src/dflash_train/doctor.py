@@ -150,9 +150,9 @@ def check_cudagraph_policy() -> Check:
     detail = f"cudagraph_trees={trees}, donated_buffer={donated}"
     if trees:
         return Check("FAIL", "cuda-graph policy", detail + ": trees are on, and compiled steps in worker threads "
-                     "fail with them on torch 2.11", "unset DFLASH_CUDAGRAPH_TREES (it is only for demonstrating the "
-                     "failure); training/cudagraphs.configure_cudagraphs sets "
-                     "torch._inductor.config.triton.cudagraph_trees = False before any compile")
+                     "fail with them on torch 2.11", "training/cudagraphs.configure_cudagraphs sets "
+                     "torch._inductor.config.triton.cudagraph_trees = False before any compile: find the code in "
+                     "this process that turns it back on")
     if donated:
         return Check("FAIL", "cuda-graph policy", detail, "set torch._functorch.config.donated_buffer = False before "
                      "any compile (configure_cudagraphs does): with per-function CUDA graphs it corrupts gradients")
@@ -249,8 +249,7 @@ def _fix_for(err: str, mode: str) -> str:
     """The fix for a failed step, from its traceback."""
     if "tree_manager" in err or "cudagraph_trees" in err:
         return ("CUDAGraph Trees are on in a worker thread -> set torch._inductor.config.triton.cudagraph_trees = "
-                "False before any compile (training/cudagraphs.configure_cudagraphs does; unset "
-                "DFLASH_CUDAGRAPH_TREES)")
+                "False before any compile (training/cudagraphs.configure_cudagraphs does)")
     if "Either mode or options" in err or ("mode" in err and "options" in err and "torch.compile" in err):
         return "torch 2.11 refuses torch.compile(mode=..., options=...) together: pass one of them"
     if any(s in err for s in ("CppCompileError", "InvalidCxxCompiler", "CalledProcessError", "g++", "cl.exe")):

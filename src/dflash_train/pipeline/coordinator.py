@@ -24,6 +24,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -44,16 +45,16 @@ from ..training.run import build_run, hold_run_dir, prepare_out_dir
 from ..training.validation import Validator, build_validation_rows
 from ..training.trainer import TrainResult
 from .devices import cpu_threads_per_worker
-from .distributed import DistributedSync, config_fingerprint, faults_apply_here
-from .drafter_worker import DrafterWorker, RecompileGuard, weights_checksum
+from .distributed import DistributedSync, config_fingerprint
+from .drafter_worker import DrafterShared, DrafterWorker, RecompileGuard, weights_checksum
 from .faults import FaultPlan
 from .gradsync import GradAverager
 from .loader import DataShard, LoaderWorker, dummy_batch
 from .prefetch import Prefetcher
 from .reporter import StepReporter
 from .target_worker import TargetWorker
-from .worker import (THREAD_PREFIX, RunControl, RunInterrupted, Stopped, Watchdog, Worker, describe_failure,
-                     describe_stall, stop_on_signals)
+from .worker import (THREAD_PREFIX, RunControl, RunInterrupted, StageClock, Stopped, Watchdog, Worker,
+                     describe_failure, describe_stall, stop_on_signals)
 
 log = logging.getLogger("dflash_train")
 JOIN_TIMEOUT_S = 10.0  # after stop, every thread leaves its wait within POLL_S; only a hung kernel takes longer
@@ -74,6 +75,10 @@ def train_pipeline(cfg: Config) -> PipelineResult:
         if peers.enabled and cfg.data.regenerate:
             raise ConfigError("data.regenerate would regenerate the data on every rank: run `dflash-train regenerate` "
                               "once and point data.source at its output, or data.regenerate=false.")
+        if peers.enabled and follows_clock(cfg.train):  # rank 0's clock alone decides (training/budget.py)
+            raise ConfigError("train.max_minutes without train.max_steps makes the LR schedule follow the clock, "
+                              "which one process decides alone: with several processes set train.max_steps (or "
+                              "train.budget_steps_per_s) so that every rank runs the same schedule.")
         resolved = resolve_config(cfg)  # every "auto" decided once; the run directory keeps cfg as written
         target_devices, drafter_devices = resolve_pipeline_devices(resolved.pipeline)
         if cfg.pipeline.grad_reduce == "nccl" and len(drafter_devices) > 1:
@@ -83,7 +88,7 @@ def train_pipeline(cfg: Config) -> PipelineResult:
                 raise ConfigError("pipeline.grad_reduce=nccl averages the replicas of one process; under torchrun "
                                   "run one drafter replica per process, or set pipeline.grad_reduce=host.")
         peers.use_device(drafter_devices[0])
-        faults = FaultPlan.from_env() if faults_apply_here() else FaultPlan([])
+        faults = FaultPlan.from_env()  # None unless a fault-injection test set DFLASH_FAULT for this rank
         out = prepare_out_dir(cfg, owner=peers.is_rank0)
         log_name = "run.log" if peers.is_rank0 else f"run.rank{peers.rank}.log"
         # The processes of one node share its cores as well.
@@ -93,15 +98,23 @@ def train_pipeline(cfg: Config) -> PipelineResult:
 
 
 class _Pipeline:
-    def __init__(self, cfg: Config, target_devices, drafter_devices, faults: FaultPlan, peers: DistributedSync,
-                 out_dir: Path):
-        self.cfg, self.n, self.peers = cfg, len(drafter_devices), peers
+    """One process's run. The constructor builds every stage, each complete when made (its config values and the
+    objects it needs passed in); run() starts them in order, supervises, stops them and writes the final drafter."""
+
+    def __init__(self, cfg: Config, target_devices, drafter_devices, faults: FaultPlan | None,
+                 peers: DistributedSync, out_dir: Path):
+        self.cfg, self.n, self.peers, self.faults = cfg, len(drafter_devices), peers, faults
+        self.control = RunControl(faults)
+        self.phase = "startup"
+        self._thread = threading.current_thread()
+        self.watchdog = Watchdog(self.control, cfg.pipeline.stall_timeout_s)
         self.shard = DataShard(self.n, peers.rank, peers.world)
         self.run_setup = build_run(cfg, batches_per_step=self.shard.global_replicas, out_dir=out_dir,
                                    regenerate=regenerate_for_run)
-        self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints)
+        self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints,
+                                      mid_save=self._mid_checkpoint if faults is not None else None)
         init, state = resume_point(cfg.run.resume, self.ckpt, self.run_setup.drafter)
-        self.start_step = state["step"] if state else 0
+        self.start_step = self._steps_seen = state["step"] if state else 0
         if cfg.model.target_graphs and any(d.type != "cuda" for d in target_devices):
             raise ConfigError("model.target_graphs=true needs CUDA target devices (CUDA graphs); set it to false "
                               "on CPU.")
@@ -110,14 +123,12 @@ class _Pipeline:
                    for d in target_devices]
         if state is None and not cfg.model.drafter_init:
             init_output_norm(init, targets[0].lm_head.weight)  # before replicas copy it: the same on every rank
-        self.control = RunControl(faults)
-        self.faults, self.phase, self._steps_seen = faults, "startup", self.start_step
-        self._thread = threading.current_thread()
-        self.watchdog = Watchdog(self.control, cfg.pipeline.stall_timeout_s)
-        self.ckpt.mid_save = self._mid_checkpoint
+        # Rank 0's clock alone decides; its decision reaches the other ranks in the next step's all-reduce.
+        self.budget = TimeBudget(cfg.train.max_minutes if peers.is_rank0 else None,
+                                 replicas=self.shard.global_replicas)
         self.logger = MetricsLogger(self.run_setup.out_dir if peers.is_rank0 else None, self.run_setup.total_steps,
                                     cfg.train.token_budget * self.shard.global_replicas, cfg.train.log_every,
-                                    start_step=self.start_step)
+                                    start_step=self.start_step, budget=self.budget)
         try:
             # Rank 0's replica 0 validates (the replicas are identical); its rows' features come from the target now.
             rows = None
@@ -126,42 +137,38 @@ class _Pipeline:
                 rows = build_validation_rows(self.run_setup.data.heldout, cfg, targets[0], drafter_devices[0], pad_id)
             self.validator = Validator(rows, self.run_setup.out_dir, cfg.train.eval_every,
                                        self.run_setup.total_steps, self.logger)
-            self._build_workers(targets, target_devices, drafter_devices, init, state, faults)
+            self._build_workers(targets, target_devices, drafter_devices, init, state)
         except BaseException:
             self.logger.close()  # no thread has started yet: the open metrics file is all there is to close
             raise
 
-    def _build_workers(self, targets, target_devices, drafter_devices, init, state, faults) -> None:
+    def _build_workers(self, targets, target_devices, drafter_devices, init, state) -> None:
         cfg, c = self.cfg, self.control
         start_batch = state["data_position"] if state else 0
         depth = cfg.pipeline.queue_depth
         batches, feats = queue.Queue(depth), queue.Queue(depth)  # TrainBatch (CPU) | FeatureItem (target device)
         inboxes = [queue.Queue(1) for _ in drafter_devices]     # DrafterInput: 1 here + 1 being trained
         in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
-        self.guard = RecompileGuard(cfg.train.compile != "eager")
-        self.gradsync = gradsync = GradAverager(self.n, self.peers, cfg.pipeline.grad_reduce)
-        embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed
-        self.drafters = [DrafterWorker(r, c, d, self.run_setup, init, state, self.start_step, embed_w, head_w,
-                                       inboxes[r], gradsync, self.guard, self.logger.should_log)
-                         for r, d in enumerate(drafter_devices)]
         warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
         self.targets = [TargetWorker(i, c, t, d, batches, feats, warm, graphs=cfg.model.target_graphs)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]
-        self.reporter = StepReporter(self.logger, self.ckpt, cfg.train.checkpoint_every, self.run_setup.total_steps,
-                                     self.shard.global_replicas, batches, feats, self.targets, self.drafters,
-                                     self.validator)
-        self.drafters[0].reporter = self.reporter if self.peers.is_rank0 else None
-        # Rank 0's clock alone decides; its decision reaches the other ranks in the next step's all-reduce.
-        if self.peers.enabled and follows_clock(cfg.train):
-            raise ConfigError("train.max_minutes without train.max_steps makes the LR schedule follow the clock, "
-                              "which one process decides alone: with several processes set train.max_steps (or "
-                              "train.budget_steps_per_s) so that every rank runs the same schedule.")
-        self.budget = TimeBudget(cfg.train.max_minutes if self.peers.is_rank0 else None,
-                                 replicas=self.shard.global_replicas)
-        gradsync.budget = self.budget
-        self.logger.budget = self.budget  # the step line's ETA never exceeds the time left
-        for d in self.drafters:
-            d.budget = self.budget
+        # The drafters' clocks exist before the drafters: the reporter that replica 0 holds reads all of them.
+        clocks = [StageClock(d) for d in drafter_devices]
+        self.reporter = StepReporter(self.logger, self.ckpt, self.validator,
+                                     checkpoint_every=cfg.train.checkpoint_every,
+                                     total_steps=self.run_setup.total_steps,
+                                     batches_per_step=self.shard.global_replicas, queues=(batches, feats),
+                                     target_clocks={t.name: t.clock for t in self.targets},
+                                     drafter_clocks={f"drafter{r}": clock for r, clock in enumerate(clocks)},
+                                     busy=clocks[0])
+        self.guard = RecompileGuard(cfg.train.compile != "eager")
+        self.gradsync = GradAverager(self.n, c, self.peers, cfg.pipeline.grad_reduce, budget=self.budget)
+        embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed
+        shared = DrafterShared(c, cfg.train, self.run_setup.total_steps, self.start_step, init, state, embed_w,
+                               head_w, self.gradsync, self.guard, self.budget, self.logger.should_log)
+        reporter0 = self.reporter if self.peers.is_rank0 else None  # only rank 0 logs and checkpoints
+        self.drafters = [DrafterWorker(r, d, inboxes[r], shared, clocks[r], reporter=reporter0 if r == 0 else None)
+                         for r, d in enumerate(drafter_devices)]
         self.prefetch = Prefetcher(c, feats, inboxes, drafter_devices, [w.stream for w in self.drafters],
                                    len(targets), start_batch, in_flight, shard=self.shard)
         uses_cuda = any(d.type == "cuda" for d in target_devices + drafter_devices)
@@ -178,25 +185,24 @@ class _Pipeline:
 
     def _run(self) -> PipelineResult:
         try:
-            with self._as_coordinator():
-                self._start_and_supervise()
+            self._as_coordinator(self._start_and_supervise)
         finally:
             alive = self._shutdown()
-            with self._as_coordinator():  # a periodic write still in flight (a failed run) completes or fails here
-                self.ckpt.wait()
+            self._as_coordinator(self.ckpt.wait)  # a periodic write still in flight (a failed run) ends here
             self.logger.close()
-        self._raise_failure(alive)
+        if self.control.failure is not None:
+            raise self._failure(alive)
         d0 = self.drafters[0]
         if self.control.interrupted:
             raise self._interrupted(d0)
         self._check_replicas_identical()
-        self.peers.bye([float(weights_checksum(d0.params)), sum(d0.checksums)],  # identical on every rank too
+        self.peers.bye([float(weights_checksum(d0.state.params)), sum(d0.checksums)],  # identical on every rank
                        beat=self.watchdog.beat)
         final, best = self.run_setup.out_dir / "drafter", None
         if self.peers.is_rank0:
             self._save(d0)
             self.validator.mark_checkpoint(self.ckpt, d0.steps_done)
-            final, best = self.validator.finish(save_drafter(d0.drafter, final))
+            final, best = self.validator.finish(save_drafter(d0.state.drafter, final))
             write_training_plots(self.run_setup.out_dir, self.logger.history, self.logger.val_history)
             log.info(self.validator.summary(d0.steps_done, self.budget.elapsed_s))
         ranks = f" x {self.peers.world} processes" if self.peers.enabled else ""
@@ -254,8 +260,7 @@ class _Pipeline:
         """Stop every thread and join it; returns the names of threads that did not finish in time."""
         self.phase = "shutdown"
         self.control.stop.set()
-        with self._as_coordinator():
-            self._inject("shutdown")
+        self._as_coordinator(self._inject, "shutdown")
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for w in self.workers:
             while w.thread.ident is not None and w.thread.is_alive() and time.monotonic() < deadline:
@@ -264,22 +269,27 @@ class _Pipeline:
         return [w.thread.name for w in self.workers if w.thread.is_alive()]
 
     # ------------------------------------------------------------------ the coordinator's own faults and failures
-    @contextmanager
-    def _as_coordinator(self):
-        """What the coordinator raises in here fails the run like a worker's exception: named, with its traceback."""
+    def _as_coordinator(self, work: Callable[..., object], *args) -> None:
+        """work(*args); what it raises fails the run like a worker's exception: named, with its traceback."""
         try:
-            yield
+            work(*args)
         except Stopped:
             pass  # an injected stall of the coordinator, ended by the watchdog's failure report
-        except Exception as e:  # noqa: BLE001 - reported by _raise_failure
-            self.control.fail("coordinator", describe_failure("coordinator", e, self.phase), e)
+        except Exception as e:  # noqa: BLE001 - raised by _run as the run's failure
+            self._coordinator_failed(e)
+
+    def _coordinator_failed(self, e: Exception) -> None:
+        self.control.fail("coordinator", describe_failure("coordinator", e, self.phase), e)
 
     def _inject(self, phase: str, n: int | None = None) -> None:
-        self.faults.check("coordinator", phase, self.control.failed, n)
+        if self.faults is not None:
+            self.faults.check("coordinator", phase, self.control.failed, n)
 
     def _coordinator_points(self) -> None:
-        """Each supervision poll: beat the watchdog; the coordinator's step and checkpoint fault points."""
+        """Each supervision poll: beat the watchdog; with faults, the coordinator's step and checkpoint points."""
         self.watchdog.beat()
+        if self.faults is None:
+            return
         if self.phase == "steady":
             while self._steps_seen < self.drafters[0].steps_done:
                 self._steps_seen += 1
@@ -287,24 +297,25 @@ class _Pipeline:
         self.faults.check_checkpoint("coordinator", self.control.failed)
 
     def _mid_checkpoint(self) -> None:
-        """CheckpointManager.mid_save: the `checkpoint` fault point of whichever thread is taking a checkpoint."""
+        """CheckpointManager.mid_save (with faults only): the `checkpoint` fault point of the thread taking one."""
         me = threading.current_thread()
         if me is self._thread:
             self.faults.in_checkpoint("coordinator", self.control.failed, any(w.running for w in self.workers))
         else:
             self.faults.in_checkpoint(me.name.removeprefix(THREAD_PREFIX), self.control.stop)
 
-    def _raise_failure(self, alive: list[str]) -> None:
-        if self.control.failure is None:
-            return
+    def _failure(self, alive: list[str]) -> Exception:
+        """The exception that reports the run's first failure (alive: threads that outlived the stop), logged."""
         worker, message, exc = self.control.failure
         if isinstance(exc, UserError):  # data, a full disk, a non-finite loss with train.nonfinite=stop
             log.error(f"{worker}: {exc}")
-            raise UserError(f"{worker}: {exc}") from exc
+            error = UserError(f"{worker}: {exc}")
+            error.__cause__ = exc
+            return error
         if alive:
             message += f"\n(threads still running after stop: {', '.join(alive)})"
         log.error(message)  # last in the log, so its tail always shows the cause
-        raise RuntimeError(message)
+        return RuntimeError(message)
 
     def _interrupted(self, d0: DrafterWorker) -> RunInterrupted:
         """After a signal: checkpoint the last complete step; the exception carries the one-line summary."""
@@ -323,16 +334,21 @@ class _Pipeline:
         """The coordinator's checkpoint (final, or after a signal); a failure here fails the run like any other."""
         self.watchdog.beat()
         self.phase = "checkpoint"
-        with self._as_coordinator():
-            self.ckpt.save(d0.steps_done, d0.drafter, d0.optimizer, d0.scheduler,
+        st = d0.state
+        try:
+            self.ckpt.save(d0.steps_done, st.drafter, st.optimizer, st.scheduler,
                            data_position=d0.steps_done * self.shard.global_replicas)
             return self.ckpt.wait()  # complete before the summary names it or the final export starts
-        self._raise_failure([])
+        except Stopped:
+            pass  # an injected stall, ended by the watchdog's failure report
+        except Exception as e:  # noqa: BLE001 - the run's failure, raised next
+            self._coordinator_failed(e)
+        raise self._failure([])
 
     def _check_replicas_identical(self) -> None:
-        ref = self.drafters[0].drafter.state_dict()
+        ref = self.drafters[0].state.drafter.state_dict()
         for d in self.drafters[1:]:
-            for name, t in d.drafter.state_dict().items():
+            for name, t in d.state.drafter.state_dict().items():
                 if not torch.equal(t.to(ref[name].device), ref[name]):
                     raise RuntimeError(f"replica {d.replica} diverged from replica 0 at {name}: a gradsync bug")
 

@@ -39,7 +39,6 @@ from ..config import Config, ConfigError
 log = logging.getLogger("dflash_train")
 
 OK, FAILED, INTERRUPTED = 0, 1, 2  # what a rank says in its status slot
-FAULT_RANK_ENV_VAR = "DFLASH_FAULT_RANK"
 # What must agree between ranks, checked once at the gate (one float64 each, exact for integers below 2**53).
 GATE_KEYS = ("local replicas", "start step", "total steps", "gradient + metric size", "run config")
 _POLL_MAX_S = 0.001  # longest pause between two polls of a pending collective (its delay on every step)
@@ -56,12 +55,6 @@ class PeerStopped(RuntimeError):
 def local_rank() -> int:
     """This process's index on its node (torchrun's LOCAL_RANK; 0 without torchrun)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
-
-
-def faults_apply_here() -> bool:
-    """Fault injection (pipeline/faults.py) on this rank? DFLASH_FAULT_RANK=r limits DFLASH_FAULT to global rank r."""
-    only = os.environ.get(FAULT_RANK_ENV_VAR)
-    return only is None or only.strip() == os.environ.get("RANK", "0")
 
 
 def config_fingerprint(cfg: Config) -> int:

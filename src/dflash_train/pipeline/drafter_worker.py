@@ -11,20 +11,23 @@ from __future__ import annotations
 import copy
 import logging
 import queue
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..config import TrainConfig
 from ..models.drafter import DFlashDrafter
+from ..training.budget import TimeBudget
 from ..training.metrics import StepWindow
 from ..training.optim import Updater, build_optimizer, build_scheduler
-from ..training.run import RunSetup
 from ..training.step import DrafterStep
 from .devices import new_stream, wait_event
 from .faults import poison_
 from .gradsync import GradAverager
 from .loader import dummy_batch
-from .worker import END_OF_DATA, RunControl, Worker
+from .reporter import ReplicaState, StepReporter
+from .worker import END_OF_DATA, RunControl, StageClock, Worker
 
 log = logging.getLogger("dflash_train")
 
@@ -57,96 +60,112 @@ def weights_checksum(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(torch._foreach_norm([p.detach() for p in params])).double().sum()
 
 
+@dataclass(frozen=True)
+class DrafterShared:
+    """What every drafter replica of a process is built from: the same objects for all of them."""
+    control: RunControl
+    train: TrainConfig                  # resolved (no "auto")
+    total_steps: int
+    start_step: int                     # steps done before this process (resume), 0 for a fresh run
+    init_drafter: DFlashDrafter         # CPU weights each replica copies: identical init everywhere
+    train_state: dict | None            # optimizer and scheduler state when resuming
+    embed_w: torch.Tensor               # the target's frozen embedding and LM head [V, H], borrowed
+    head_w: torch.Tensor
+    gradsync: GradAverager
+    guard: RecompileGuard
+    budget: TimeBudget                  # train.max_minutes: every replica stops after the same step
+    is_log_step: Callable[[int], bool]  # 1-based step -> whether it ends a log window
+
+
 class DrafterWorker(Worker):
-    def __init__(self, replica: int, control: RunControl, device: torch.device, run: RunSetup,
-                 init_drafter: DFlashDrafter, train_state: dict | None, start_step: int, embed_w: torch.Tensor,
-                 head_w: torch.Tensor, inbox: queue.Queue, gradsync: GradAverager, guard: RecompileGuard,
-                 is_log_step: Callable[[int], bool], reporter=None):
-        super().__init__(f"drafter{replica}", control, device)
-        self.replica, self.run, self.train_state = replica, run, train_state
-        self.init_drafter, self.embed_w, self.head_w = init_drafter, embed_w, head_w
-        self.inbox, self.gradsync, self.guard = inbox, gradsync, guard
-        self.is_log_step, self.reporter = is_log_step, reporter
+    """Replica `replica` on `device`, fed through `inbox`; `clock` is the one the step reporter reads. Replica 0 of
+    rank 0 gets the reporter and reports on its own thread after each step."""
+
+    def __init__(self, replica: int, device: torch.device, inbox: queue.Queue, shared: DrafterShared,
+                 clock: StageClock, reporter: StepReporter | None = None):
+        super().__init__(f"drafter{replica}", shared.control, device, clock)
+        self.replica, self.inbox, self.shared, self.reporter = replica, inbox, shared, reporter
         self.stream = new_stream(device)  # the prefetcher makes batches wait-able on this stream
-        self.steps_done = start_step
+        self.steps_done = shared.start_step
         self.checksums: list[float] = []  # one per step trained by this replica
         self.batch_indices: list[int] = []  # the data positions it trained on, in order
         self._pending_checksums: list[torch.Tensor] = []
-        self.budget = None  # TimeBudget shared by all replicas (train.max_minutes), set by the coordinator
-        self.update: Updater | None = None  # made in setup(), with the optimizer
+        self.state: ReplicaState | None = None  # made in setup(), on this thread
         self.window = StepWindow()  # this replica's steps since the last log step (averaged over replicas there)
 
     def setup(self) -> None:
-        cfg = self.run.cfg.train
+        s, cfg = self.shared, self.shared.train
         # Identical init on every replica: a private copy of the same CPU weights (and optimizer state, if resuming).
-        self.drafter = copy.deepcopy(self.init_drafter).float().to(self.device).train()
-        self.params = list(self.drafter.parameters())
-        self.optimizer = build_optimizer(self.params, cfg, self.device)
-        self.scheduler = build_scheduler(self.optimizer, cfg, self.run.total_steps, clock=self.budget)
-        if self.train_state is not None:
+        drafter = copy.deepcopy(s.init_drafter).float().to(self.device).train()
+        params = list(drafter.parameters())
+        optimizer = build_optimizer(params, cfg, self.device)
+        scheduler = build_scheduler(optimizer, cfg, s.total_steps, clock=s.budget)
+        if s.train_state is not None:
             # deepcopy: on CPU load_state_dict keeps the given tensors, and replicas must not share Adam moments
-            self.optimizer.load_state_dict(copy.deepcopy(self.train_state["optimizer"]))
-            self.scheduler.load_state_dict(self.train_state["scheduler"])
-        self.update = Updater(self.params, self.optimizer, self.scheduler, cfg.grad_clip, cfg.nonfinite,
-                              announce=self.replica == 0, where=" on every replica")
+            optimizer.load_state_dict(copy.deepcopy(s.train_state["optimizer"]))
+            scheduler.load_state_dict(s.train_state["scheduler"])
+        update = Updater(params, optimizer, scheduler, cfg.grad_clip, cfg.nonfinite, announce=self.replica == 0,
+                         where=" on every replica")
         # Its own tag -> its own code object -> its own compile cache and CUDA graphs (see training/step.py).
-        self.step_fn = DrafterStep(self.drafter, self.embed_w, self.head_w, cfg, self.device, tag=str(self.replica))
+        step_fn = DrafterStep(drafter, s.embed_w, s.head_w, cfg, self.device, tag=str(self.replica))
+        self.state = ReplicaState(drafter, params, optimizer, scheduler, update, step_fn)
         self._warm_up()
 
     def _warm_up(self) -> None:
         """Compile (and on CUDA capture graphs) on a dummy batch of the real shapes, twice so that anything
         specialised on a second call happens here too. There is no optimizer step, so weights and optimizer state
         are untouched and warm-up never changes training; the grads are zeroed."""
-        cfg = self.run.cfg.train
+        cfg, st = self.shared.train, self.state
         batch = dummy_batch(cfg.token_budget, cfg.num_anchors).to(self.device)
-        feats = torch.zeros(cfg.token_budget, self.step_fn.feats_width, device=self.device,
-                            dtype=self.step_fn.dtype)  # [T, k*H], or [T, (k+1)*H] when distilling
-        for _ in range(1 if self.step_fn.compile_mode == "eager" else 2):
-            metrics = self.step_fn(batch, feats)
+        feats = torch.zeros(cfg.token_budget, st.step_fn.feats_width, device=self.device,
+                            dtype=st.step_fn.dtype)  # [T, k*H], or [T, (k+1)*H] when distilling
+        for _ in range(1 if st.step_fn.compile_mode == "eager" else 2):
+            metrics = st.step_fn(batch, feats)
         if self.reporter is not None:  # replica 0 validates: its forward-only step compiles now, not mid-run
-            self.reporter.validator.warm_up(self.step_fn)
-        self.gradsync.prepare(self.replica, self.params, metrics)  # the all-reduce buffer's layout, before step 1
-        self.optimizer.zero_grad(set_to_none=False)  # in place: DrafterStep's .grad buffers are persistent
+            self.reporter.warm_up(st.step_fn)
+        self.shared.gradsync.prepare(self.replica, st.params, metrics)  # the all-reduce layout, before step 1
+        st.optimizer.zero_grad(set_to_none=False)  # in place: DrafterStep's .grad buffers are persistent
 
     def loop(self) -> None:
-        for step in range(self.steps_done, self.run.total_steps):
+        s, st = self.shared, self.state
+        for step in range(self.steps_done, s.total_steps):
             item = self.get(self.inbox)
             if item is END_OF_DATA:
-                raise RuntimeError(f"the data ended after {step} steps, before step {self.run.total_steps}")
+                raise RuntimeError(f"the data ended after {step} steps, before step {s.total_steps}")
             fault = self.inject("step", step)
             wait_event(item.ready, self.device)  # the prefetcher's copies are done
             self.batch_indices.append(item.batch.index)
             with self.clock.busy():
-                metrics = self.step_fn(item.batch, item.feats)
+                metrics = st.step_fn(item.batch, item.feats)
             if fault:  # injected nan/inf: this replica's loss and gradients
-                poison_(fault, metrics["loss"], *(p.grad for p in self.params))
+                poison_(fault, metrics["loss"], *(p.grad for p in st.params))
             self.window.add(metrics)
             del item  # the batch's device memory can be reused as soon as the step's kernels are done
-            log_step = self.is_log_step(step + 1)
-            metrics = self.gradsync.all_reduce(self, self.replica, self.params,
-                                               self.window.take() if log_step else None)
+            log_step = s.is_log_step(step + 1)
+            metrics = s.gradsync.all_reduce(self.replica, st.params, self.window.take() if log_step else None,
+                                            self.wait_for, self.beat)
             with self.clock.busy():  # the single-device trainer's update; the same skip decision on every replica
-                self.update(step + 1)
+                st.update(step + 1)
             self.steps_done = step + 1
-            self._pending_checksums.append(weights_checksum(self.params))
-            self.guard.check(self.name, step + 1)
+            self._pending_checksums.append(weights_checksum(st.params))
+            s.guard.check(self.name, step + 1)
             if log_step:
                 self.flush_checksums()  # .item() syncs this replica's stream: log steps only
             if self.reporter is not None:
-                self.reporter.on_step(self, step + 1, metrics)
-            if self.budget is not None and self.budget.should_stop(self.steps_done, decider=self.replica == 0):
+                self.reporter.on_step(step + 1, metrics, st)
+            if s.budget.should_stop(self.steps_done, decider=self.replica == 0):
                 break  # every replica stops after the same step (see training/budget.py)
         self.flush_checksums()
         if self.reporter is not None:
-            self.reporter.on_end(self)
+            self.reporter.on_end(self.steps_done, st)
         if self.replica == 0:
-            self.gradsync.finish()
+            s.gradsync.finish()
 
     @property
     def skipped_steps(self) -> int:
         """Steps without an update (non-finite averaged gradients, train.nonfinite=skip). Reads a device counter on
         CUDA: call it at log steps and at the end, not every step."""
-        return self.update.skipped(self.steps_done) if self.update is not None else 0
+        return self.state.update.skipped(self.steps_done) if self.state is not None else 0
 
     def flush_checksums(self) -> None:
         self.checksums += [float(c) for c in self._pending_checksums]

@@ -15,7 +15,11 @@
           nan / inf  poison the step's values: a drafter's loss and gradients, a target's features (step=<n> only)
 
 e.g. DFLASH_FAULT="drafter0:startup:raise", "target0:step=3:nan", "drafter0:checkpoint=1:raise",
-"coordinator:shutdown:stall". Every fault fires at most once. Unset: no faults, and every check is a no-op.
+"coordinator:shutdown:stall". Every fault fires at most once. `DFLASH_FAULT_RANK=r` limits them to global rank r
+under torchrun.
+
+The seam: `FaultPlan.from_env()` is None unless faults are set for this process, and a run without a plan carries
+None in `RunControl.faults`; every injection point is then one `is None` test, and checkpoints get no hook at all.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ..config import ConfigError
 from .worker import Stopped
 
 ENV_VAR = "DFLASH_FAULT"
+RANK_ENV_VAR = "DFLASH_FAULT_RANK"
 KINDS = ("raise", "stall", "oom", "nan", "inf")
 VALUE_KINDS = ("nan", "inf")  # returned to the caller, which poisons its own tensors
 _FAULT = re.compile(r"(?P<worker>loader|prefetch|coordinator|target\d+|drafter\d+):"
@@ -91,8 +96,13 @@ class FaultPlan:
         self.checkpoint_open: int | None = None  # index of the checkpoint a writer holds open, for other workers
 
     @classmethod
-    def from_env(cls) -> "FaultPlan":
-        return cls(parse_faults(os.environ.get(ENV_VAR)))
+    def from_env(cls) -> "FaultPlan | None":
+        """The faults DFLASH_FAULT names, when it names any for this rank (DFLASH_FAULT_RANK); None otherwise."""
+        only = os.environ.get(RANK_ENV_VAR)
+        if only is not None and only.strip() != os.environ.get("RANK", "0"):
+            return None
+        faults = parse_faults(os.environ.get(ENV_VAR))
+        return cls(faults) if faults else None
 
     def check(self, worker: str, phase: str, release: threading.Event, n: int | None = None) -> str | None:
         """Fire `worker`'s fault for this point, if any (once). Raises for raise/oom; a stall waits for `release`
@@ -124,8 +134,6 @@ class FaultPlan:
         """Called by a checkpoint's saver after copying the weights, before the training state. Fires its own
         fault, then (while other workers run) holds the write open, up to CHECKPOINT_WINDOW_S or until `release`,
         so that their faults for this checkpoint fire at their next wait."""
-        if not self.faults:
-            return
         with self._lock:
             index, self._checkpoints = self._checkpoints, self._checkpoints + 1
         self.check(writer, "checkpoint", release, index)

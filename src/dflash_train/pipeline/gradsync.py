@@ -27,12 +27,17 @@ order is NCCL's, not replica order: a run is reproducible on the same GPUs, not 
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
+from ..training.budget import TimeBudget
 from .devices import current_stream, record_event, sync_event
 from .distributed import FAILED, INTERRUPTED, OK, DistributedSync, PeerStopped
-from .worker import Stopped, Worker
+from .worker import RunControl, Stopped
+
+# A replica's stop-aware wait on a condition it holds (Worker.wait_for: beats, leaves when the run stops).
+WaitFor = Callable[[threading.Condition, Callable[[], bool]], None]
 
 
 def nccl_all_reduce(buffers: list[torch.Tensor], streams: list) -> None:
@@ -44,11 +49,14 @@ def nccl_all_reduce(buffers: list[torch.Tensor], streams: list) -> None:
 
 
 class GradAverager:
-    def __init__(self, num_replicas: int, peers: DistributedSync | None = None, method: str = "host"):
-        self.n = num_replicas
+    """control: the run's (a rank's stop or failure goes out in its status slot); budget: the run's TimeBudget, whose
+    stop decision (rank 0's) travels in the all-reduce to every rank."""
+
+    def __init__(self, num_replicas: int, control: RunControl, peers: DistributedSync | None = None,
+                 method: str = "host", budget: TimeBudget | None = None):
+        self.n, self.control, self.budget = num_replicas, control, budget
         self.peers = peers if peers is not None and peers.enabled else None
         self.total = self.n * (self.peers.world if self.peers else 1)  # replicas of the whole run
-        self.budget = None  # the run's TimeBudget: rank 0's stop decision travels in the all-reduce
         self._cond = threading.Condition()
         self._posted: list[tuple | None] = [None] * num_replicas  # (grads, metrics, ready event) of this round
         self._round = 0                                           # rounds published so far
@@ -108,16 +116,17 @@ class GradAverager:
         """G + M, the size every rank's step all-reduce must agree on (0 without a buffer)."""
         return self._numel
 
-    def all_reduce(self, worker: Worker, replica: int, params: list[torch.nn.Parameter],
-                   metrics: dict | None) -> dict | None:
-        """Replace every replica's grads by their mean; return the mean metrics (or None when metrics is None)."""
+    def all_reduce(self, replica: int, params: list[torch.nn.Parameter], metrics: dict | None, wait_for: WaitFor,
+                   beat: Callable[[], None]) -> dict | None:
+        """Replace every replica's grads by their mean; return the mean metrics (or None when metrics is None).
+        wait_for, beat: the calling replica's stop-aware wait and heartbeat (it waits here for the others)."""
         if not self.active:
             return metrics
         if self.nccl:
-            return self._all_reduce_nccl(worker, replica, params, metrics)
+            return self._all_reduce_nccl(replica, params, metrics, wait_for)
         grads = [p.grad for p in params if p.grad is not None]  # same set on every replica: same graph
         ready = record_event(grads[0].device)
-        self._round_trip(worker, replica, (grads, metrics, ready), lambda posted: self._reduce(worker, posted))
+        self._round_trip(replica, (grads, metrics, ready), lambda posted: self._reduce(posted, beat), wait_for)
         if grads[0].device == self._flat.device:
             torch._foreach_copy_(grads, self._mean)
         else:  # peer copies on this replica's stream; the mean was completed on the host before publishing
@@ -125,7 +134,7 @@ class GradAverager:
                 g.copy_(m, non_blocking=True)
         return self._mean_metrics if metrics is not None else None
 
-    def _round_trip(self, worker: Worker, replica: int, item: tuple, reduce) -> None:
+    def _round_trip(self, replica: int, item: tuple, reduce, wait_for: WaitFor) -> None:
         """One round: every replica posts `item`; replica 0, once all have posted, runs reduce(posted items in
         replica order) and publishes the round; the others return once it is published."""
         with self._cond:
@@ -133,7 +142,7 @@ class GradAverager:
             self._posted[replica] = item
             self._cond.notify_all()
             if replica == 0:
-                worker.wait_for(self._cond, lambda: all(p is not None for p in self._posted))
+                wait_for(self._cond, lambda: all(p is not None for p in self._posted))
                 posted, self._posted = self._posted, [None] * self.n
         if replica == 0:
             reduce(posted)
@@ -142,23 +151,24 @@ class GradAverager:
                 self._cond.notify_all()
         else:
             with self._cond:
-                worker.wait_for(self._cond, lambda: self._round > my_round)
+                wait_for(self._cond, lambda: self._round > my_round)
 
-    def _all_reduce_nccl(self, worker: Worker, replica: int, params: list[torch.nn.Parameter],
-                         metrics: dict | None) -> dict | None:
+    def _all_reduce_nccl(self, replica: int, params: list[torch.nn.Parameter], metrics: dict | None,
+                         wait_for: WaitFor) -> dict | None:
         """The nccl method (module docstring): copy in, one collective queued by replica 0, divide, copy back."""
         flat, grad_views, metric_views = self._local[replica]
         grads = [p.grad for p in params if p.grad is not None]
         torch._foreach_copy_(grad_views, grads)
         for k, view in metric_views.items():
             view.copy_(metrics[k]) if metrics is not None else view.zero_()
-        self._round_trip(worker, replica, (current_stream(flat.device),),  # a tuple: on CPU the stream is None
-                         lambda posted: nccl_all_reduce([local[0] for local in self._local], [p[0] for p in posted]))
+        self._round_trip(replica, (current_stream(flat.device),),  # a tuple: on CPU the stream is None
+                         lambda posted: nccl_all_reduce([local[0] for local in self._local], [p[0] for p in posted]),
+                         wait_for)
         flat.div_(float(self.total))
         torch._foreach_copy_(grads, grad_views)
         return {k: v.clone() for k, v in metric_views.items()} if metrics is not None else None
 
-    def _reduce(self, worker: Worker, posted: list[tuple]) -> None:
+    def _reduce(self, posted: list[tuple], beat: Callable[[], None]) -> None:
         """On replica 0's thread and device: mean = (g_0 + g_1 + ... + g_{N-1}) [+ other ranks] / total."""
         grads0 = posted[0][0]
         device = self._flat.device
@@ -179,7 +189,7 @@ class GradAverager:
             else:
                 view.zero_()
         if self.peers is not None:
-            self._cross_process(worker)
+            self._cross_process(beat)
         self._flat[:self._numel].div_(float(self.total))
         if log_step:
             self._mean_metrics = {k: v.clone() for k, v in self._metrics.items()}
@@ -190,14 +200,14 @@ class GradAverager:
         if self.peers is not None:
             self.peers.steps_done()
 
-    def _cross_process(self, worker: Worker) -> None:
+    def _cross_process(self, beat: Callable[[], None]) -> None:
         """The one all-reduce of the step across processes. If this rank is stopping, its status goes out instead of
         a silent absence; if any rank stopped, the step does not count anywhere (Stopped)."""
-        control = worker.control
+        control = self.control
         status = OK if not control.stop.is_set() else FAILED if control.failure is not None else INTERRUPTED
         decided = self.budget.stop_after if self.budget is not None else None
         try:
-            stop_after = self.peers.step(self._flat, status, decided, worker.beat)
+            stop_after = self.peers.step(self._flat, status, decided, beat)
         except PeerStopped as e:
             if e.interrupted:
                 control.interrupt(str(e))

@@ -9,25 +9,47 @@ from __future__ import annotations
 
 import queue
 import time
+from dataclasses import dataclass
 
+import torch
+
+from ..models.drafter import DFlashDrafter
 from ..training.checkpointing import CheckpointManager
 from ..training.metrics import MetricsLogger
+from ..training.optim import Schedule, Updater
 from ..training.startup import log_first_step
+from ..training.step import DrafterStep
 from ..training.validation import Validator
-from .worker import Worker
+from .worker import StageClock
+
+
+@dataclass(frozen=True)
+class ReplicaState:
+    """One drafter replica's training objects, made on its own thread (DrafterWorker.setup): what it trains, and
+    what a report logs, validates and checkpoints."""
+    drafter: DFlashDrafter
+    params: list[torch.nn.Parameter]  # drafter.parameters(), in order
+    optimizer: torch.optim.Optimizer
+    scheduler: Schedule
+    update: Updater                   # clip -> AdamW -> schedule, with the skipped-step count
+    step_fn: DrafterStep              # the compiled forward + backward
 
 
 class StepReporter:
-    def __init__(self, logger: MetricsLogger, ckpt: CheckpointManager, checkpoint_every: int, total_steps: int,
-                 batches_per_step: int, batch_queue: queue.Queue, feats_queue: queue.Queue,
-                 targets: list[Worker], drafters: list[Worker], validator: Validator):
+    """queues: (batches, features), whose sizes each log line shows. target_clocks, drafter_clocks: the stages'
+    clocks by worker name, for the wait/busy fractions; the reporter runs on replica 0's thread, so its validations
+    count as busy time on `busy` (replica 0's clock)."""
+
+    def __init__(self, logger: MetricsLogger, ckpt: CheckpointManager, validator: Validator, *, checkpoint_every: int,
+                 total_steps: int, batches_per_step: int, queues: tuple[queue.Queue, queue.Queue],
+                 target_clocks: dict[str, StageClock], drafter_clocks: dict[str, StageClock], busy: StageClock):
         self.logger, self.ckpt, self.checkpoint_every = logger, ckpt, checkpoint_every
         self.validator = validator
         self._validated = -1  # the last step validated
         self._stepped = False  # the first step of this process is logged with the start-up time
         self.total_steps, self.batches_per_step = total_steps, batches_per_step
-        self.batch_queue, self.feats_queue = batch_queue, feats_queue
-        self.targets, self.drafters = targets, drafters
+        self.batch_queue, self.feats_queue = queues
+        self.target_clocks, self.drafter_clocks, self.busy = target_clocks, drafter_clocks, busy
         self._t = self._t0 = time.perf_counter()
         self._seen: dict[str, tuple] = {}
         self._seen0: dict[str, tuple] = {}
@@ -35,25 +57,25 @@ class StepReporter:
     def restart_window(self) -> None:
         """Called when training starts: warm-up is not part of any window."""
         self._t = self._t0 = time.perf_counter()
-        self._seen = self._seen0 = {w.name: self._counters(w) for w in self.targets + self.drafters}
+        self._seen = self._seen0 = self._counters()
 
-    @staticmethod
-    def _counters(w: Worker) -> tuple[float, float, float]:
-        return w.clock.get_wait_s, w.clock.put_wait_s, w.clock.busy_s()
+    def _counters(self) -> dict[str, tuple[float, float, float]]:
+        clocks = {**self.target_clocks, **self.drafter_clocks}
+        return {name: (c.get_wait_s, c.put_wait_s, c.busy_s()) for name, c in clocks.items()}
 
     def _fractions(self, since_t: float, since: dict[str, tuple]) -> tuple[dict, dict]:
         """Fractions of the wall time since `since_t` (drafters waiting for data, targets waiting for room, each
         stage busy), averaged over each stage's workers, and each worker's own busy fraction ('busy_by_worker');
         plus the counters now."""
         dt = max(time.perf_counter() - since_t, 1e-9)
-        now = {w.name: self._counters(w) for w in self.targets + self.drafters}
+        now = self._counters()
         frac = {n: [(c - o) / dt for c, o in zip(now[n], since.get(n, (0.0, 0.0, 0.0)))] for n in now}
 
-        def mean(workers, i):
-            return sum(frac[w.name][i] for w in workers) / len(workers)
+        def mean(clocks, i):
+            return sum(frac[name][i] for name in clocks) / len(clocks)
 
-        return {"drafter_wait": mean(self.drafters, 0), "target_wait": mean(self.targets, 1),
-                "drafter_busy": mean(self.drafters, 2), "target_busy": mean(self.targets, 2),
+        return {"drafter_wait": mean(self.drafter_clocks, 0), "target_wait": mean(self.target_clocks, 1),
+                "drafter_busy": mean(self.drafter_clocks, 2), "target_busy": mean(self.target_clocks, 2),
                 "busy_by_worker": {n: f[2] for n, f in frac.items()}}, now
 
     def run_fractions(self) -> dict:
@@ -61,7 +83,12 @@ class StepReporter:
         under 'busy_by_worker' ({'target0': .., 'drafter0': ..}): a stage's mean hides an idle or a slow device."""
         return self._fractions(self._t0, self._seen0)[0]
 
-    def on_step(self, worker, step: int, metrics: dict | None) -> None:
+    def warm_up(self, step_fn: DrafterStep) -> None:
+        """Replica 0's warm-up: the validation's forward-only step compiles now, not mid-run."""
+        self.validator.warm_up(step_fn)
+
+    def on_step(self, step: int, metrics: dict | None, replica: ReplicaState) -> None:
+        """After replica 0's optimizer step `step` (1-based); metrics: the window's averages on log steps, else None."""
         if not self._stepped:
             self._stepped = True
             log_first_step(step)
@@ -69,24 +96,24 @@ class StepReporter:
             extra, self._seen = self._fractions(self._t, self._seen)
             self._t = time.perf_counter()
             extra["queues"] = f"{self.batch_queue.qsize()}/{self.feats_queue.qsize()}"
-            extra["skipped"] = worker.skipped_steps
-            self.logger.log(step, metrics, worker.scheduler.get_last_lr()[0], extra=extra)
+            extra["skipped"] = replica.update.skipped(step)
+            self.logger.log(step, metrics, replica.scheduler.get_last_lr()[0], extra=extra)
         if self.validator.due(step):
-            self._validate(worker, step)
+            self._validate(step, replica)
         if self.checkpoint_every and step % self.checkpoint_every == 0 and step < self.total_steps:
-            self.ckpt.save(step, worker.drafter, worker.optimizer, worker.scheduler,
+            self.ckpt.save(step, replica.drafter, replica.optimizer, replica.scheduler,
                            data_position=step * self.batches_per_step)
             self.validator.mark_checkpoint(self.ckpt, step)
 
-    def on_end(self, worker) -> None:
+    def on_end(self, steps_done: int, replica: ReplicaState) -> None:
         """After replica 0's last step (the last of the schedule, or a time-budget stop): validate it if not yet;
         the last periodic checkpoint is complete (a failed write fails this replica, the one that asked for it)."""
-        if self.validator.enabled and self._validated != worker.steps_done:
-            self._validate(worker, worker.steps_done)
+        if self.validator.enabled and self._validated != steps_done:
+            self._validate(steps_done, replica)
         self.ckpt.wait()
 
-    def _validate(self, worker, step: int) -> None:
+    def _validate(self, step: int, replica: ReplicaState) -> None:
         train_tau = self.logger.history[-1]["tau_est"] if self.logger.history else None
-        with worker.clock.busy():
-            self.validator(step, worker.step_fn, worker.drafter, train_tau)
+        with self.busy.busy():
+            self.validator(step, replica.step_fn, replica.drafter, train_tau)
         self._validated = step

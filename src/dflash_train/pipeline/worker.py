@@ -11,6 +11,7 @@ Threading contract (the coordinator relies on all of it):
   The coordinator (the main thread) supervises the workers; a `Watchdog` thread watches the coordinator.
 - Fault-injection points (pipeline/faults.py): `startup` after setup(), `shutdown` after loop() returned, and
   `checkpoint` at every wait while a checkpoint writer holds a write open; stages add their own `step` points.
+  Outside tests `control.faults` is None and each point is that one test.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class RunControl:
         # (worker name, message naming it with its traceback, the exception or None for a stall)
         self.failure: tuple[str, str, BaseException | None] | None = None
         self.interrupted: str | None = None  # signal name when a signal asked the run to stop
-        self.faults = faults  # a faults.FaultPlan, or None: no injection points fire
+        self.faults = faults  # a faults.FaultPlan in fault-injection tests; None otherwise: no point fires
 
     def fail(self, worker: str, message: str, exc: BaseException | None = None) -> None:
         with self._lock:
@@ -170,9 +171,13 @@ def describe_failure(name: str, exc: BaseException, phase: str) -> str:
 
 
 class Worker:
-    """A pipeline stage on its own daemon thread named `dflash-<name>`. Subclasses implement setup() and loop()."""
+    """A pipeline stage on its own daemon thread named `dflash-<name>`. Subclasses implement setup() and loop().
 
-    def __init__(self, name: str, control: RunControl, device: torch.device | None = None):
+    clock: where its wait and busy seconds go; given when something built before the worker reads it (the step
+    reporter reads the drafters'), else its own."""
+
+    def __init__(self, name: str, control: RunControl, device: torch.device | None = None,
+                 clock: StageClock | None = None):
         self.name, self.control = name, control
         self.device = device or torch.device("cpu")
         self.stream = None  # a CUDA stream of its own, set by subclasses that compute on a GPU
@@ -180,7 +185,7 @@ class Worker:
         self.finished = threading.Event()
         self.phase = "startup"  # startup -> steady -> shutdown (for failure messages)
         self.last_beat = time.monotonic()
-        self.clock = StageClock(self.device)
+        self.clock = clock if clock is not None else StageClock(self.device)
         self.thread = threading.Thread(target=self._main, name=THREAD_PREFIX + name, daemon=True)
 
     # ------------------------------------------------------------------ lifecycle
@@ -229,7 +234,7 @@ class Worker:
         self.beat()
         if self.control.stop.is_set():
             raise Stopped
-        if self.control.faults is not None:
+        if self.control.faults is not None:  # a checkpoint fault of this worker fires at a wait
             self.control.faults.check_checkpoint(self.name, self.control.stop)
 
     def _waited(self, counter: str, since: float) -> float:

@@ -215,20 +215,22 @@ class CheckpointManager:
 
     run_id: the id every saved training state carries and every loaded one must match; by default the one in
     <out_dir>/run_id (None where there is none: then only states without a run id match).
+    mid_save: a test seam (pipeline fault injection), called by the saving thread between copying the weights and
+    the training state; None outside tests.
 
     save() returns once the state is copied; the write runs on a background thread ("dflash-checkpoint"), one at a
     time. wait() blocks until it is complete and raises its error; call it (or close()) before anything reads the
     checkpoint or the run ends. Used as a context manager, leaving waits too (and only logs a write error when
     another exception is already on its way out)."""
 
-    def __init__(self, out_dir: str | Path, keep: int = 3, run_id: str | None = None):
+    def __init__(self, out_dir: str | Path, keep: int = 3, run_id: str | None = None,
+                 mid_save: Callable[[], None] | None = None):
         if keep < 1:  # train.keep_checkpoints is validated >= 1; 0 would delete the checkpoint just written
             raise ValueError(f"keep must be at least 1 (got {keep})")
         self.root = Path(out_dir) / "checkpoints"
         self.keep = keep
         self.run_id = run_id if run_id is not None else read_run_id(out_dir)
-        # Called by the saving thread between copying the weights and the training state (fault injection, tests).
-        self.mid_save: Callable[[], None] | None = None
+        self.mid_save = mid_save
         self._copier = HostCopier()
         self._lock = threading.Lock()  # the write in flight and `best` are shared with the writer thread
         self._write: _Write | None = None

@@ -8,8 +8,6 @@ off, inductor falls back to per-function CUDA graphs, which work in any thread a
 
 from __future__ import annotations
 
-import os
-
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 
@@ -18,13 +16,13 @@ def configure_cudagraphs() -> None:
     """Process-wide compile settings for the drafter step; must run before the first torch.compile call.
 
     - CUDAGraph Trees off (per-function CUDA graphs instead), so compiled steps run in any thread and each
-      replica's graph is its own. DFLASH_CUDAGRAPH_TREES=1 leaves them on, only to demonstrate the thread failure
-      (benchmarks/gpu_pipeline_check.py); never set it for training.
+      replica's graph is its own. No switch turns them back on: the failure they cause is shown by
+      benchmarks/gpu_pipeline_check.py (case trees-on), which compiles a step of its own with torch's defaults.
     - AOTAutograd donated buffers off. With them, the backward may write into the saved activations it receives;
       under per-function CUDA graphs those are the forward graph's static outputs, and the backward's warm-up and
       capture runs clobber them before the replay reads them: the gradients come out wrong and training stalls,
       with no error. With donated buffers off the step matches eager / `default` exactly
       (benchmarks/gpu_cudagraph_grad_check.py reproduces both; docs/DESIGN.md, docs/dev-log.md section 7).
     """
-    inductor_config.triton.cudagraph_trees = os.environ.get("DFLASH_CUDAGRAPH_TREES") == "1"
+    inductor_config.triton.cudagraph_trees = False
     functorch_config.donated_buffer = False

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .budget import TimeBudget
 from .objective import acceptance_from_counts
 
 log = logging.getLogger("dflash_train")
@@ -46,11 +47,14 @@ class StepWindow:
 
 
 class MetricsLogger:
-    """Accumulates per-step device metrics and flushes them as one line + JSONL (+ TensorBoard) per log step."""
+    """Accumulates per-step device metrics and flushes them as one line + JSONL (+ TensorBoard) per log step.
+
+    budget: the run's TimeBudget (train.max_minutes), if any: the ETA never exceeds its time left."""
 
     def __init__(self, out_dir: Path | None, total_steps: int, tokens_per_step: int, log_every: int = 10,
-                 tensorboard: bool = True, start_step: int = 0):
+                 tensorboard: bool = True, start_step: int = 0, budget: TimeBudget | None = None):
         self.total_steps, self.tokens_per_step, self.log_every = total_steps, tokens_per_step, log_every
+        self.budget = budget
         self.out_dir = out_dir
         self._jsonl = None
         self._tb = None
@@ -67,7 +71,6 @@ class MetricsLogger:
                     self._tb = None
         self._t0 = time.perf_counter()
         self._last_t, self._last_step = self._t0, start_step
-        self.budget = None  # a TimeBudget (train.max_minutes) set by the trainer: the ETA never exceeds its time left
 
     def should_log(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
