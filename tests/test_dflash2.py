@@ -20,7 +20,7 @@ from conftest import make_tiny_target
 from dflash_train.config import ConfigError, load_config
 from dflash_train.models.build import build_drafter
 from dflash_train.models.checkpoint import (CheckpointError, drafter_config_json, load_drafter, load_drafter_config,
-                                           save_drafter)
+                                           save_drafter, serve_commands)
 from dflash_train.data.packing import sample_anchors
 from dflash_train.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.models.drafter2 import DFlash2Drafter, Drafter2Config, DynamicCausalConv
@@ -216,6 +216,24 @@ def test_sliding_window_or_causal_drafters_are_refused_as_the_reference_reads_th
         assert load_drafter_config(tmp_path) == cfg
     (tmp_path / "config.json").write_text(json.dumps(drafter_config_json(cfg)))
     assert load_drafter_config(tmp_path) == cfg                # our own export: full attention, loads
+
+
+def test_serve_commands_name_dflash2_as_the_engines_do(tiny_llama, tmp_path):
+    """SGLang and vLLM serve DFlash 2 under their DFlash names (DFLASH, "dflash"), choosing it from config.json
+    (docs/SERVING.md); SGLang is told the block size, which the convolutions depend on; serve.txt names the engine
+    changes it needs. A v1 drafter's commands are unchanged."""
+    drafter = make_drafter2(tiny_llama)
+    v2 = serve_commands(drafter.config, "D", "T").splitlines()
+    assert v2 == ["python -m sglang.launch_server --model-path T --dtype bfloat16 --speculative-algorithm DFLASH "
+                  f"--speculative-draft-model-path D --speculative-num-draft-tokens {B}",
+                  "vllm serve T --dtype bfloat16 --speculative-config "
+                  f"'{{\"method\": \"dflash\", \"model\": \"D\", \"num_speculative_tokens\": {B - 1}}}'"]
+    v1 = serve_commands(DrafterConfig(**{k: v for k, v in drafter.config.to_dict().items()
+                                         if k in DrafterConfig.__dataclass_fields__}), "D", "T").splitlines()
+    assert v1 == [v2[0].removesuffix(f" --speculative-num-draft-tokens {B}"), v2[1]]
+    serve = (save_drafter(drafter, tmp_path / "d") / "serve.txt").read_text()
+    assert "sgl-project/sglang#35371" in serve and "vllm-project/vllm#52816" in serve
+    assert serve.endswith(serve_commands(drafter.config))
 
 
 # ------------------------------------------------------------------------------------------ training vs inference

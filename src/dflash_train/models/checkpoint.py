@@ -11,6 +11,8 @@
 A DFlash 2 drafter (models/drafter2.py) is written the same way with "architectures": ["DFlash2DraftModel"], its
 sizes in dflash_config (conv_kernel_size, conv_group_size, selector_top_k, selector_rank), "is_causal": false, the
 convolution and selector weights under the reference's names, and no modeling_dflash.py (it implements v1 only).
+Every layer is full attention (layer_types, use_sliding_window: false); reading a config.json refuses one whose layers
+the reference would run with a sliding window or causally (check_full_attention).
 
 What a reload into dflash-train is exact for: load_drafter gives back the bf16 values bit for bit. Training keeps
 fp32 master weights: a step checkpoint also holds them, unrounded, in training_weights.safetensors
@@ -41,6 +43,9 @@ SERVE_DTYPE = torch.bfloat16
 _MODELING_SOURCE = Path(__file__).with_name("hf_modeling_dflash.py")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
+# serve.txt's extra line for a DFlash 2 drafter: engines without these changes do not know DFlash2DraftModel.
+DFLASH2_ENGINES = ("# DFlash 2: an SGLang with sgl-project/sglang#35371 and a vLLM with vllm-project/vllm#52816 "
+                   "(docs/SERVING.md).\n")
 
 
 class CheckpointError(UserError):
@@ -142,11 +147,17 @@ def drafter_config_from_json(d: dict, source: str = "config.json") -> DrafterCon
 def serve_commands(cfg: DrafterConfig, drafter: str = "DRAFTER", target: str = "TARGET",
                    dtype: torch.dtype = SERVE_DTYPE) -> str:
     """The SGLang and vLLM commands that serve `drafter` (a directory) with `target`: two lines.
-    num_speculative_tokens is block_size - 1 (the drafted tokens of one block)."""
+    num_speculative_tokens is block_size - 1 (the drafted tokens of one block).
+
+    A DFlash 2 drafter is served under the same names (SGLang's DFLASH algorithm, vLLM's "dflash" method): both
+    engines pick DFlash 2 from config.json's architectures and dflash_config (docs/SERVING.md says where). Its
+    convolutions run within blocks of exactly block_size tokens, so SGLang is given the block size too (vLLM derives
+    it as num_speculative_tokens + 1)."""
     spec = json.dumps({"method": "dflash", "model": drafter, "num_speculative_tokens": cfg.block_size - 1})
     d = _DTYPE_NAMES[dtype]
+    block = f" --speculative-num-draft-tokens {cfg.block_size}" if isinstance(cfg, Drafter2Config) else ""
     return (f"python -m sglang.launch_server --model-path {target} --dtype {d} --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path {drafter}\n"
+            f"--speculative-draft-model-path {drafter}{block}\n"
             f"vllm serve {target} --dtype {d} --speculative-config '{spec}'\n")
 
 
@@ -162,7 +173,9 @@ def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype
     (out / SERVE_NAME).write_text(
         f"# Serve this drafter ({_DTYPE_NAMES[dtype]} weights) with the target it was trained for "
         f"({drafter.config.num_target_layers} layers, vocabulary {drafter.config.vocab_size}): replace TARGET with "
-        "the target's path and DRAFTER with this directory's.\n" + serve_commands(drafter.config, dtype=dtype))
+        "the target's path and DRAFTER with this directory's.\n"
+        + (DFLASH2_ENGINES if isinstance(drafter, DFlash2Drafter) else "")
+        + serve_commands(drafter.config, dtype=dtype))
     return out
 
 
