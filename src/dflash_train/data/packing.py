@@ -204,8 +204,8 @@ class BatchSchedule:
                         yield make_batch(row, self.num_anchors, self.seed, index, epoch)
                     index += 1
                 epoch += 1
-        finally:  # an abandoned iterator (a stopped loader) does not wait for the epoch being packed
-            pool.shutdown(wait=False, cancel_futures=True)
+        finally:  # a closed iterator leaves no thread behind: it waits for an epoch being packed (bounded work)
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _epoch(self, epoch: int) -> list[PackedRow]:
         if self._flat is None:  # once: every epoch packs from the same flat arrays

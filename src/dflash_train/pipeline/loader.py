@@ -11,6 +11,7 @@ replica of every process.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from dataclasses import dataclass
@@ -73,11 +74,13 @@ class LoaderWorker(Worker):
 
     def loop(self) -> None:
         keep = self.shard.owns if self.shard is not None else None
-        for n, batch in enumerate(self.schedule.iter_from(self.start_batch, keep)):
-            self.inject("step", n)
-            if self.pin_memory:  # page-locked, so the prefetcher's host->device copies are truly asynchronous
-                batch = batch.pin_memory()
-            self.acquire(self.in_flight)
-            self.put(self.out, batch)
+        # closing: the packing thread ends with the loader, not whenever a failure's traceback is collected
+        with contextlib.closing(self.schedule.iter_from(self.start_batch, keep)) as batches:
+            for n, batch in enumerate(batches):
+                self.inject("step", n)
+                if self.pin_memory:  # page-locked, so the prefetcher's host->device copies are truly asynchronous
+                    batch = batch.pin_memory()
+                self.acquire(self.in_flight)
+                self.put(self.out, batch)
         for _ in range(self.num_consumers):  # one end marker per target worker
             self.put(self.out, END_OF_DATA)
