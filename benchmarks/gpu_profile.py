@@ -3,6 +3,8 @@
 
   PYTHONPATH=src python3 benchmarks/gpu_profile.py generate   # batched decoding (regeneration): prefill and steps
   PYTHONPATH=src python3 benchmarks/gpu_profile.py target     # the training target stage: one 8,192-token row
+  PYTHONPATH=src python3 benchmarks/gpu_profile.py drafter    # the drafter training step (v1 and DFlash 2): the
+                                                              # demo's bottleneck, at the demo's 8,192 x 1,024 x 16
 
 Random-init weights of SmolLM2-135M's shape (speed does not depend on the values), bf16, one GPU. Prints, per
 case, the time per call (CUDA events, median of 5 after warm-up) and the top kernels of one profiled call, eager:
@@ -95,8 +97,38 @@ def profile_target() -> None:
     target.set_attention("sdpa")
 
 
+def profile_drafter() -> None:
+    """The drafter step the demo trains (fwd + bwd + clip + AdamW): compiled (reduce-overhead, as trained) for the
+    time, eager for the kernel breakdown (a CUDA graph replays as one opaque launch)."""
+    import harness
+    from cases import DrafterRig, train_batches
+
+    suite = harness.SUITES["gpu-smollm2"]
+    ctx = harness.Context(suite)
+    batches, _ = train_batches(ctx, suite=suite)
+    with torch.enable_grad():
+        for arch in ("dflash", "dflash2"):
+            for mode in ("reduce-overhead", "eager"):
+                rig = DrafterRig(ctx, mode, "flex", tag=f"profile-{arch}-{mode}", suite=suite, architecture=arch)
+                feats = torch.randn(suite.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size,
+                                    device=ctx.device, dtype=suite.dtype)
+                calls = iter(range(10**9))
+
+                def step():
+                    rig.fwd_bwd(batches[next(calls) % len(batches)], feats)
+                    rig.optim()
+
+                ms = timed(step, 10)
+                print(f"drafter step {arch}, {mode}: {ms:.2f} ms = {1e3 / ms:.1f} steps/s of {suite.token_budget} "
+                      f"tokens x {suite.num_anchors} anchors")
+                if mode == "eager":
+                    top_kernels(step, f"drafter step {arch} (eager)", rows=25)
+                rig = None
+                torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
-    what = sys.argv[1:] or ["generate", "target"]
+    what = sys.argv[1:] or ["generate", "target", "drafter"]
     with torch.no_grad():
         for w in what:
-            {"generate": profile_generate, "target": profile_target}[w]()
+            {"generate": profile_generate, "target": profile_target, "drafter": profile_drafter}[w]()
