@@ -58,10 +58,17 @@ def tiny_qwen3(tmp_path_factory):
 def smollm2_dir(tmp_path_factory):
     """The embedded SmolLM2 GGUF converted once into a Hugging Face directory, as the demo does (that the logits stay
     identical is tests/test_demo.py's). Every GGUF parse dequantizes all tensors and rebuilds the tokenizer: the
-    real-model tests share this one."""
+    real-model tests share this one, across pytest-xdist workers too (the first converts, the others wait on the
+    lock and find the finished directory)."""
+    from filelock import FileLock
+
     from dflash_train.demo import local_embedded_target
 
-    return local_embedded_target(tmp_path_factory.mktemp("smollm2_cache"))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has its own base temp; their parent is shared
+        root = root.parent
+    with FileLock(str(root / "smollm2_cache.lock")):
+        return local_embedded_target(root / "smollm2_cache")
 
 
 @pytest.fixture(scope="session")
