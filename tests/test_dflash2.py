@@ -26,7 +26,7 @@ from dflash_train.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.models.drafter2 import DFlash2Drafter, Drafter2Config, DynamicCausalConv
 from dflash_train.models.target import target_config_info
 from dflash_train.training.flops import drafter_step_flops
-from dflash_train.training.objective import dflash_loss, sdpa_attend
+from dflash_train.training.objective import dflash_loss, draft_hidden, sdpa_attend
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run fastest on one thread
 
@@ -343,10 +343,10 @@ def test_selector_loss_trains_the_selector_only_where_the_label_is_a_candidate()
     head_w = torch.randn(Vs, Hs)
     block_ids = torch.randint(0, Vs, (A, P + 1))
     logits = (h.detach() @ head_w.t())
-    top = logits.topk(K, dim=-1).indices
+    unary, top = logits.topk(K, dim=-1)
     labels = torch.where(torch.rand(A, P) < 0.5, top[..., 2], logits.argmin(-1))   # half in the set, half out
     weights = torch.rand(A, P)
-    loss, picks = selector_objective(sel, h, head_w, block_ids, labels, weights, [(0, 5), (5, 12)])
+    loss, picks = selector_objective(sel, h, unary, top, block_ids, labels, weights)
     # naive reference, one position at a time
     num, den = 0.0, 0.0
     for a in range(A):
@@ -364,6 +364,68 @@ def test_selector_loss_trains_the_selector_only_where_the_label_is_a_candidate()
     torch.testing.assert_close(loss, num / den)
     loss.backward()
     assert sel.predecessor_codebook.grad.abs().sum() > 0 and sel.successor_codebook.grad.abs().sum() > 0
+
+
+def dense_dflash2_loss(drafter, embed_w, head_w, feats, row, anchors, valid, gamma, target_hidden, kd_weight):
+    """The DFlash 2 objective from its definition on materialised logits [A, B-1, V], in two passes over the head:
+    (1 - w) * CE + w * CE against the target's softmax, position-weighted; plus, from a second, gradient-free
+    pass, the K-way CE of unary + <P[prev] * W h, S[c]> over the top-K candidates where the label is one of them.
+    -> (loss, the selector's teacher-forced picks [A, B-1])."""
+    h, lay = draft_hidden(drafter, embed_w, feats, **row, anchors=anchors, anchor_valid=valid, block_size=B)
+    logp = torch.log_softmax(h @ head_w.t(), dim=-1)
+    loss_v = -logp.gather(-1, lay.labels[..., None])[..., 0]
+    if kd_weight > 0:
+        prev_pos = anchors[:, None] + torch.arange(B - 1)[None, :]                  # the state predicting a+k
+        p_t = torch.softmax(target_hidden[prev_pos] @ head_w.t(), dim=-1)
+        loss_v = (1 - kd_weight) * loss_v - kd_weight * (p_t * logp).sum(-1)
+    w = torch.exp(-torch.arange(B - 1) / gamma)[None, :] * lay.valid.float()
+    with torch.no_grad():                                                           # the second pass
+        unary, cand = (h @ head_w.t()).topk(drafter.candidate_selector.top_k, dim=-1)
+    sel = drafter.candidate_selector
+    prev = torch.cat([lay.block_ids[:, :1], lay.labels[:, :-1]], dim=1)
+    ctx = sel.predecessor_codebook[prev] * sel.hidden_projection(h)                 # [A, B-1, r]
+    scores = unary + (ctx[..., None, :] * sel.successor_codebook[cand]).sum(-1)     # [A, B-1, K]
+    hit = cand == lay.labels[..., None]
+    sel_ce = torch.logsumexp(scores, dim=-1) - (scores * hit).sum(-1)
+    w_sel = w * hit.any(-1)
+    assert 0 < w_sel.sum() < w.sum()                                                # both kinds of position occur
+    picks = cand.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+    return (loss_v * w).sum() / w.sum() + (sel_ce * w_sel).sum() / w_sel.sum(), picks, lay
+
+
+@pytest.mark.parametrize("kd_weight", [0.0, 0.5])
+def test_dflash2_loss_takes_its_candidates_in_the_loss_pass_and_equals_two_dense_passes(kd_weight):
+    """The step's one chunked LM-head pass (candidates taken inside the fused cross-entropy's chunks) gives the loss,
+    every parameter's gradient and the acceptance metrics of the two-pass computation on dense logits, fp32."""
+    torch.manual_seed(0)
+    Hs, Vs, T, A = 32, 50, 48, 16
+    cfg = Drafter2Config(hidden_size=Hs, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, vocab_size=Vs, target_layer_ids=[1, 2],
+                         num_target_layers=4, mask_token_id=Vs - 1, block_size=B, conv_kernel_size=2,
+                         conv_group_size=8, selector_top_k=6, selector_rank=8)
+    drafter = DFlash2Drafter(cfg)
+    drafter.candidate_selector.reset_parameters(std=1.0)  # a pairwise term as large as the logits
+    doc = torch.arange(T) // 16
+    loss_mask = torch.arange(T) % 16 >= 2
+    anchors, valid = sample_anchors(loss_mask, doc, A, torch.Generator().manual_seed(0))
+    row = dict(input_ids=torch.randint(0, Vs - 1, (T,)), position_ids=torch.arange(T) % 16, doc_ids=doc,
+               loss_mask=loss_mask)
+    feats, embed_w, head_w, target_hidden = (torch.randn(T, 2 * Hs), torch.randn(Vs, Hs), torch.randn(Vs, Hs),
+                                             torch.randn(T, Hs))
+
+    out = dflash_loss(drafter, embed_w, head_w, feats, **row, anchors=anchors, anchor_valid=valid, block_size=B,
+                      gamma=2.0, loss_chunk=7, target_hidden=target_hidden, kd_weight=kd_weight)
+    out["loss"].backward()
+    grads = {n: p.grad.clone() for n, p in drafter.named_parameters()}
+    drafter.zero_grad(set_to_none=True)
+    ref, picks, lay = dense_dflash2_loss(drafter, embed_w, head_w, feats, row, anchors, valid, 2.0, target_hidden,
+                                         kd_weight)
+    ref.backward()
+    torch.testing.assert_close(out["loss"], ref, rtol=1e-6, atol=1e-6)
+    for n, p in drafter.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+    right = ((picks == lay.labels) & lay.valid).float().sum(0)
+    torch.testing.assert_close(out["acc"], right / lay.valid.float().sum(0).clamp_min(1.0))
 
 
 def test_dflash2_training_step_traces_as_one_graph_and_learns():
@@ -417,8 +479,8 @@ def test_drafter_step_flops_match_a_direct_count(architecture):
     tiny sizes chosen so that no two terms coincide, dense SDPA (every pair computed: the formula is given
     P = N * (T + N)). The counter sees matmuls and SDPA, and counts recompute; so exactly
         counted = formula - the elementwise terms (DFlash 2's conv taps and selector scores, 3x each)
-                  + SDPA backward's recompute of the scores (0.5x the attention forward)
-                  + DFlash 2's gradient-free top-k LM-head pass (the LM head's forward again)."""
+                  + SDPA backward's recompute of the scores (0.5x the attention forward).
+    DFlash 2's selector candidates come out of the loss's own logits: a separate LM-head pass would be counted."""
     torch.manual_seed(0)
     Bs, T, A, Hs, Vs = 4, 48, 8, 32, 50
     cfg = DrafterConfig(hidden_size=Hs, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -439,8 +501,7 @@ def test_drafter_step_flops_match_a_direct_count(architecture):
     with counter:
         dflash_loss(drafter, embed_w, head_w, feats, **row, block_size=Bs, gamma=2.0)["loss"].backward()
     f = drafter_step_flops(cfg, T, A, pairs=A * Bs * (T + A * Bs))
-    expected = (f["train"] - 3 * f.get("conv_taps", 0) - 3 * f.get("selector_scores", 0)
-                + 0.5 * f["attention"] + (f["lm_head"] if architecture == "dflash2" else 0))
+    expected = f["train"] - 3 * f.get("conv_taps", 0) - 3 * f.get("selector_scores", 0) + 0.5 * f["attention"]
     assert counter.get_total_flops() == expected, (counter.get_flop_counts()["Global"], f)
     assert ({"conv_kernels", "conv_taps", "selector_projection", "selector_scores"} <= set(f)) == \
         (architecture == "dflash2")

@@ -43,7 +43,7 @@ def test_fused_kd_matches_dense_logits(chunk, w):
     h = torch.randn(n, H, dtype=torch.float64, requires_grad=True)
     head_w, target_h = torch.randn(V, H, dtype=torch.float64), torch.randn(n, H, dtype=torch.float64)
     labels, row_w = torch.randint(0, V, (n,)), torch.rand(n, dtype=torch.float64)
-    loss, pred = blockwise_ce(h, head_w, labels, chunk, target_h, w)
+    loss, pred, _ = blockwise_ce(h, head_w, labels, chunk, target_h, w)
     (g,) = torch.autograd.grad((loss * row_w).sum(), h)
     h_ref = h.detach().clone().requires_grad_(True)
     ref = dense_kd(h_ref, head_w, labels, target_h, w)
@@ -54,7 +54,7 @@ def test_fused_kd_matches_dense_logits(chunk, w):
     with torch.no_grad():  # the eval path
         torch.testing.assert_close(blockwise_ce(h, head_w, labels, chunk, target_h, w)[0], ref)
     # a trainable head takes plain autograd (checkpointed chunks, fp32 logits); the target's distribution is a constant
-    loss_t, _ = blockwise_ce(h_ref, head_w.clone().requires_grad_(True), labels, chunk, target_h, w)
+    loss_t, _, _ = blockwise_ce(h_ref, head_w.clone().requires_grad_(True), labels, chunk, target_h, w)
     torch.testing.assert_close(loss_t, ref.float())
 
 
@@ -65,7 +65,7 @@ def test_fused_kd_compiled_matches_eager():
     head_w, target_h, labels = torch.randn(40, 16), torch.randn(19, 16), torch.randint(0, 40, (19,))
 
     def f(h):
-        loss, pred = blockwise_ce(h, head_w, labels, 8, target_h, 0.6)
+        loss, pred, _ = blockwise_ce(h, head_w, labels, 8, target_h, 0.6)
         return (loss * torch.linspace(0, 1, 19)).sum(), pred
 
     loss, pred = f(h)

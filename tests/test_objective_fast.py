@@ -82,7 +82,7 @@ def test_fused_ce_matches_plain_autograd(chunk):
     head_w = torch.randn(V, H, dtype=torch.float64)
     labels = torch.randint(0, V, (n,))
     w = torch.rand(n, dtype=torch.float64)
-    ce, pred = blockwise_ce(h, head_w, labels, chunk)
+    ce, pred, _ = blockwise_ce(h, head_w, labels, chunk)
     (ce * w).sum().backward()
     h_ref = h.detach().clone().requires_grad_(True)
     logits = h_ref @ head_w.t()
@@ -92,9 +92,31 @@ def test_fused_ce_matches_plain_autograd(chunk):
     torch.testing.assert_close(h.grad, h_ref.grad)
     assert torch.equal(pred, logits.argmax(-1))
     with torch.no_grad():  # the eval path returns the same without keeping gradients
-        ce2, pred2 = blockwise_ce(h, head_w, labels, chunk)
+        ce2, pred2, _ = blockwise_ce(h, head_w, labels, chunk)
     torch.testing.assert_close(ce2, ce_ref)
     assert torch.equal(pred2, pred)
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_fused_ce_top_k_is_the_dense_top_k_on_every_path(chunk):
+    """blockwise_ce's top-K (DFlash 2's selector candidates, taken inside its chunks) is torch.topk of the full logits
+    on each path: frozen head (fused), no grad (eval), trainable head (checkpointed chunks), distillation; the
+    logits come back as constants, and without top_k nothing comes back."""
+    torch.manual_seed(chunk)
+    n, H, V, K = 23, 16, 40, 5
+    h = torch.randn(n, H, requires_grad=True)
+    head_w, target_h, labels = torch.randn(V, H), torch.randn(n, H), torch.randint(0, V, (n,))
+    ref = (h.detach() @ head_w.t()).topk(K, dim=-1)
+    with torch.no_grad():
+        eval_top = blockwise_ce(h, head_w, labels, chunk, top_k=K)[2]
+    tops = [blockwise_ce(h, head_w, labels, chunk, top_k=K)[2], eval_top,
+            blockwise_ce(h, head_w.clone().requires_grad_(True), labels, chunk, top_k=K)[2],
+            blockwise_ce(h, head_w, labels, chunk, target_h, 0.5, top_k=K)[2]]
+    for values, ids in tops:
+        assert torch.equal(ids, ref.indices)
+        torch.testing.assert_close(values, ref.values)
+        assert not values.requires_grad
+    assert blockwise_ce(h, head_w, labels, chunk)[2] is None
 
 
 def _tiny_setup(B=4, T=48, A=8):
@@ -171,7 +193,7 @@ def test_fused_ce_compiled_matches_eager():
     head_w, labels = torch.randn(40, 16), torch.randint(0, 40, (19,))
 
     def f(h):
-        ce, pred = blockwise_ce(h, head_w, labels, 8)
+        ce, pred, _ = blockwise_ce(h, head_w, labels, 8)
         return (ce * torch.linspace(0, 1, 19)).sum(), pred
 
     loss, pred = f(h)

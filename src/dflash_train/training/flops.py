@@ -20,8 +20,8 @@ selector_rank, c = selector_top_k candidates and n = A*(B-1) drafted positions:
   selector     2 * n * H * r  (projection)  +  2 * n * c * r  (scores)   W h, then <P[prev] * W h, S[candidate]>
 each 3x in a training step. The conv taps and the selector scores are elementwise multiply-adds doing a matmul's
 job (a matmul FLOP counter does not see them). The selector's candidates are the top c of the LM head's logits,
-already counted: the second, gradient-free LM-head forward that training/selector.py runs to find them is
-recompute, not model FLOPs, and is left out, as is the add of the base kernel to the dynamic one.
+taken from the chunks of logits the cross-entropy forms anyway (training/objective.py): no LM-head work of their
+own, so nothing to add. The add of the base kernel to the dynamic one is left out.
 
 Target feature forward over T tokens through the layers that run (the deepest tap and below):
   layers_run * (2 * T * (H*h*d + 2*H*hk*d + h*d*H + 3*H*I) + 4 * h*d * P),  P = T^2 / 2 for one causal document.

@@ -13,7 +13,8 @@ never recompiles, and nothing calls .item(): metrics stay on the device until th
 Fast paths (each pinned by a simple reference in tests/test_objective_fast.py): the flex BlockMask is built at tile
 granularity from per-tile bounds (never the [A*B, T+A*B] element mask), and the frozen LM head's cross-entropy is
 fused and chunked (`_FusedLinearCE`: the gradient w.r.t. the hidden states is formed while each chunk's logits exist;
-the target's logits for distillation are formed there too, chunk by chunk, so no [n, V] tensor ever exists).
+the target's logits for distillation are formed there too, chunk by chunk, so no [n, V] tensor ever exists;
+DFlash 2's top-K selector candidates are taken from the same chunks, so they cost no LM-head pass of their own).
 """
 
 from __future__ import annotations
@@ -214,15 +215,33 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _ce_chunk(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, with_grad: bool):
-    """h [c, H] (head_w's dtype), head_w [V, H], labels [c] -> ce [c] (>= fp32), argmax [c], and when `with_grad`
-    d ce / d h = (softmax - onehot) @ head_w [c, H], computed while the logits exist (they are never recomputed)."""
+def _top_logits(logits: torch.Tensor, k: int):
+    """logits [c, V] -> (the k largest [c, k], their ids [c, k]) as constants, or None at k = 0: DFlash 2's selector
+    candidates, taken while the loss's chunk of logits exists, so finding them costs no LM-head pass of its own."""
+    if k == 0:
+        return None
+    values, ids = logits.detach().topk(k, dim=-1)
+    return values, ids
+
+
+def _cat_tops(tops: list):
+    """Per-chunk `_top_logits` results -> (values [n, k], ids [n, k]), or None at k = 0."""
+    if tops[0] is None:
+        return None
+    return torch.cat([t[0] for t in tops]), torch.cat([t[1] for t in tops])
+
+
+def _ce_chunk(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, with_grad: bool, top_k: int):
+    """h [c, H] (head_w's dtype), head_w [V, H], labels [c] -> ce [c] (>= fp32), argmax [c], the top_k logits and
+    ids (`_top_logits`), and when `with_grad` d ce / d h = (softmax - onehot) @ head_w [c, H], computed while the
+    logits exist (they are never recomputed)."""
     logits = _upcast(h @ head_w.t())                                        # [c, V]: the chunk's only big tensor
+    top = _top_logits(logits, top_k)                                        # before the in-place softmax below
     lse = torch.logsumexp(logits, dim=-1)
     ce = lse - logits.gather(1, labels[:, None])[:, 0]
     pred = logits.argmax(-1)
     if not with_grad:
-        return ce, pred, None
+        return ce, pred, top, None
     if torch.compiler.is_compiling():
         # Pure pointwise: inductor fuses upcast, softmax, - onehot and the cast into one pass over the logits.
         cols = torch.arange(logits.shape[1], device=logits.device)
@@ -231,17 +250,18 @@ def _ce_chunk(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, with_
         # Eager: in place, so no second [c, V] fp32 buffer.
         p = logits.sub_(lse[:, None]).exp_()
         p.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -1.0))
-    return ce, pred, p.to(head_w.dtype) @ head_w                            # d ce / d h: [c, H]
+    return ce, pred, top, p.to(head_w.dtype) @ head_w                       # d ce / d h: [c, H]
 
 
 def _kd_chunk(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, target_h: torch.Tensor, kd_weight: float,
-              with_grad: bool):
+              with_grad: bool, top_k: int):
     """Like `_ce_chunk`, against the mixed target q = (1 - w) * onehot(labels) + w * softmax(target_h @ head_w^T):
     h, target_h [c, H] (head_w's dtype) -> loss [c] = lse(z) - q.z (z = h @ head_w^T; (1 - w) * CE + w * the
-    cross-entropy against the target's distribution, i.e. its KL plus the target's entropy), argmax [c], and when
-    `with_grad` d loss / d h = (softmax(z) - q) @ head_w [c, H]."""
+    cross-entropy against the target's distribution, i.e. its KL plus the target's entropy), argmax [c], the top_k
+    of z, and when `with_grad` d loss / d h = (softmax(z) - q) @ head_w [c, H]."""
     w = kd_weight
     logits = _upcast(h @ head_w.t())                                        # [c, V]
+    top = _top_logits(logits, top_k)                                        # before the in-place softmax below
     lse = torch.logsumexp(logits, dim=-1)
     t_logits = _upcast(target_h @ head_w.t())                               # [c, V]: the target's, the other big one
     if torch.compiler.is_compiling():
@@ -253,7 +273,7 @@ def _kd_chunk(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, targe
     loss = (1.0 - w) * (lse - logits.gather(1, labels[:, None])[:, 0]) + w * soft
     pred = logits.argmax(-1)
     if not with_grad:
-        return loss, pred, None
+        return loss, pred, top, None
     if torch.compiler.is_compiling():
         cols = torch.arange(logits.shape[1], device=logits.device)
         onehot = (cols[None, :] == labels[:, None]).to(logits.dtype)
@@ -261,14 +281,14 @@ def _kd_chunk(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, targe
     else:
         p = logits.sub_(lse[:, None]).exp_().sub_(p_t.mul_(w))
         p.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], w - 1.0))
-    return loss, pred, p.to(head_w.dtype) @ head_w                          # d loss / d h: [c, H]
+    return loss, pred, top, p.to(head_w.dtype) @ head_w                     # d loss / d h: [c, H]
 
 
-def _loss_chunk(h, head_w, labels, target_h, kd_weight: float, with_grad: bool):
+def _loss_chunk(h, head_w, labels, target_h, kd_weight: float, with_grad: bool, top_k: int):
     """Hard-label CE (`target_h` None: exactly today's computation) or the distillation mix on one chunk."""
     if target_h is None:
-        return _ce_chunk(h, head_w, labels, with_grad)
-    return _kd_chunk(h, head_w, labels, target_h, kd_weight, with_grad)
+        return _ce_chunk(h, head_w, labels, with_grad, top_k)
+    return _kd_chunk(h, head_w, labels, target_h, kd_weight, with_grad, top_k)
 
 
 class _FusedLinearCE(torch.autograd.Function):
@@ -278,48 +298,55 @@ class _FusedLinearCE(torch.autograd.Function):
     The gradient w.r.t. h is linear in the upstream gradient of each row's CE, so the forward pass stores
     G = dce/dh [n, H] (small) and backward returns grad_ce[:, None] * G: the LM head costs one matmul forward and
     one backward, where checkpointed chunks cost two forward (recompute) and one backward, and never more than
-    one chunk of logits ([chunk, V]; two with target_h) is alive."""
+    one chunk of logits ([chunk, V]; two with target_h) is alive. The argmax and the top_k logits and ids
+    (None at top_k = 0) are constants."""
 
     @staticmethod
-    def forward(ctx, h, head_w, labels, chunk, target_h, kd_weight):
+    def forward(ctx, h, head_w, labels, chunk, target_h, kd_weight, top_k):
         hc = h.to(head_w.dtype)
         tc = None if target_h is None else target_h.to(head_w.dtype)
-        ces, preds, grads = [], [], []
+        ces, preds, tops, grads = [], [], [], []
         for s, e in _even_chunks(h.shape[0], chunk):
-            ce, pred, g = _loss_chunk(hc[s:e], head_w, labels[s:e], None if tc is None else tc[s:e], kd_weight,
-                                      with_grad=True)
+            ce, pred, top, g = _loss_chunk(hc[s:e], head_w, labels[s:e], None if tc is None else tc[s:e], kd_weight,
+                                           with_grad=True, top_k=top_k)
             ces.append(ce)
             preds.append(pred)
+            tops.append(top)
             grads.append(g)
         ctx.save_for_backward(torch.cat(grads))
         ctx.h_dtype = h.dtype
         pred = torch.cat(preds)
-        ctx.mark_non_differentiable(pred)
-        return torch.cat(ces), pred
+        top = _cat_tops(tops)
+        top_values, top_ids = (None, None) if top is None else top
+        ctx.mark_non_differentiable(pred, *([] if top_k == 0 else [top_values, top_ids]))
+        return torch.cat(ces), pred, top_values, top_ids
 
     @staticmethod
-    def backward(ctx, grad_ce, _grad_pred):
+    def backward(ctx, grad_ce, _grad_pred, _grad_top_values, _grad_top_ids):
         (g,) = ctx.saved_tensors
-        return (grad_ce[:, None] * g).to(ctx.h_dtype), None, None, None, None, None
+        return (grad_ce[:, None] * g).to(ctx.h_dtype), None, None, None, None, None, None
 
 
 def _chunk_logits_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, target_h=None,
-                     kd_weight: float = 0.0):
-    """h [n, H], head_w [V, H], labels [n] -> ce [n] fp32, argmax [n] (plain autograd; for a trainable head). With
-    target_h [n, H]: the distillation mix, the target's distribution a constant (the teacher is not trained)."""
+                     kd_weight: float = 0.0, top_k: int = 0):
+    """h [n, H], head_w [V, H], labels [n] -> ce [n] fp32, argmax [n], top_k logits and ids (plain autograd; for a
+    trainable head). With target_h [n, H]: the distillation mix, the target's distribution a constant (the teacher
+    is not trained)."""
     logits = (h @ head_w.t()).float()
     ce = F.cross_entropy(logits, labels, reduction="none")
     if target_h is not None:
         p_t = torch.softmax((target_h @ head_w.t()).float(), dim=-1).detach()
         ce = (1.0 - kd_weight) * ce + kd_weight * F.cross_entropy(logits, p_t, reduction="none")
-    return ce, logits.argmax(-1)
+    return ce, logits.argmax(-1), _top_logits(logits, top_k)
 
 
 def blockwise_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, chunk: int,
-                 target_h: torch.Tensor | None = None, kd_weight: float = 0.0):
-    """h [n, H], head_w [V, H], labels [n] -> CE [n] fp32 and greedy predictions [n], in chunks of <= `chunk`
+                 target_h: torch.Tensor | None = None, kd_weight: float = 0.0, top_k: int = 0):
+    """h [n, H], head_w [V, H], labels [n] -> CE [n] fp32, greedy predictions [n] and `top`, in chunks of <= `chunk`
     rows (0 = one chunk) so that at most chunk x V logits are alive at once.
 
+    top: (the top_k largest logits [n, top_k], their ids [n, top_k]), constants taken from the same chunks of
+    logits (DFlash 2's selector candidates); None at top_k = 0.
     target_h [n, H] (the target's final normed hidden state that predicts each row's label): the loss becomes
     (1 - kd_weight) * CE + kd_weight * CE against softmax(target_h @ head_w^T), its logits made chunk by chunk too.
     Frozen head (training): `_FusedLinearCE`. No grad needed (eval): plain chunks. Trainable head: each chunk
@@ -329,20 +356,17 @@ def blockwise_ce(h: torch.Tensor, head_w: torch.Tensor, labels: torch.Tensor, ch
         hc = h.to(head_w.dtype)
         tc = None if target_h is None else target_h.to(head_w.dtype)
         outs = [_loss_chunk(hc[s:e], head_w, labels[s:e], None if tc is None else tc[s:e], kd_weight,
-                            with_grad=False)[:2] for s, e in ranges]
-        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+                            with_grad=False, top_k=top_k) for s, e in ranges]
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), _cat_tops([o[2] for o in outs])
     if not head_w.requires_grad:
-        return _FusedLinearCE.apply(h, head_w, labels, chunk, None if target_h is None else target_h.detach(),
-                                    kd_weight)
+        ce, pred, top_values, top_ids = _FusedLinearCE.apply(
+            h, head_w, labels, chunk, None if target_h is None else target_h.detach(), kd_weight, top_k)
+        return ce, pred, None if top_k == 0 else (top_values, top_ids)
     if len(ranges) == 1:
-        return _chunk_logits_ce(h, head_w, labels, target_h, kd_weight)
-    ces, preds = [], []
-    for s, e in ranges:
-        ce, pred = checkpoint(_chunk_logits_ce, h[s:e], head_w, labels[s:e],
-                              None if target_h is None else target_h[s:e], kd_weight, use_reentrant=False)
-        ces.append(ce)
-        preds.append(pred)
-    return torch.cat(ces), torch.cat(preds)
+        return _chunk_logits_ce(h, head_w, labels, target_h, kd_weight, top_k)
+    outs = [checkpoint(_chunk_logits_ce, h[s:e], head_w, labels[s:e], None if target_h is None else target_h[s:e],
+                       kd_weight, top_k, use_reentrant=False) for s, e in ranges]
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs]), _cat_tops([o[2] for o in outs])
 
 
 def acceptance_metrics(correct: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -402,14 +426,17 @@ def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Ten
         # the clamp only touches positions that carry no weight).
         prev = (anchors[:, None] + torch.arange(block_size - 1, device=anchors.device)[None, :]).clamp(max=T - 1)
         target_h = target_hidden[prev.flatten()]                            # [A*(B-1), H]
-    ce, pred = blockwise_ce(h, head_w, lay.labels.flatten(), loss_chunk, target_h, kd_weight)
+    selector = getattr(drafter, "candidate_selector", None)
+    # DFlash 2's selector candidates: the top-K of the loss's own chunks of logits
+    top_k = 0 if selector is None else selector.top_k
+    ce, pred, top = blockwise_ce(h, head_w, lay.labels.flatten(), loss_chunk, target_h, kd_weight, top_k)
     ce, pred = ce.view(A, block_size - 1), pred.view(A, block_size - 1)
     w = position_weights(block_size, gamma, device=ce.device)[None, :] * lay.valid.float()
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
-    selector = getattr(drafter, "candidate_selector", None)
     if selector is not None:  # DFlash 2: the drafts are the selector's picks, trained here (training/selector.py)
-        sel_loss, pred = selector_objective(selector, h.view(A, block_size - 1, -1), head_w, lay.block_ids,
-                                            lay.labels, w, _even_chunks(h.shape[0], loss_chunk))
+        unary, candidates = (t.view(A, block_size - 1, -1) for t in top)      # [A, B-1, K] each
+        sel_loss, pred = selector_objective(selector, h.view(A, block_size - 1, -1), unary, candidates,
+                                            lay.block_ids, lay.labels, w)
         loss = loss + sel_loss
     correct = pred == lay.labels
     out = acceptance_metrics(correct, lay.valid)

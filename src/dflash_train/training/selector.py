@@ -8,8 +8,10 @@ inference condition at every position that can be accepted, and the one-pass tra
 
 Loss: cross-entropy of softmax(score_k) over the K candidates against the label's slot, at the positions whose label
 is among the candidates (elsewhere no choice of the selector can be accepted), weighted by the same position
-weights as the drafter's loss. The logits enter as constants: the drafter's own cross-entropy over the whole
-vocabulary trains them; the selector term trains the codebooks and the hidden projection (and, through it, h).
+weights as the drafter's loss. The candidates and their logits come out of the drafter's own cross-entropy pass
+(objective.blockwise_ce takes each chunk's top-K while its logits exist) and enter as constants: that cross-entropy
+over the whole vocabulary trains the logits; the selector term trains the codebooks and the hidden projection (and,
+through it, h).
 The drafts for the acceptance metrics are the selector's teacher-forced picks, so acc@k, the tau estimate and each
 block's accept_len measure what DFlash 2 decoding would accept.
 
@@ -23,16 +25,6 @@ import torch
 from ..models.drafter2 import CandidateSelector
 
 
-@torch.no_grad()
-def top_candidates(h: torch.Tensor, head_w: torch.Tensor, k: int,
-                   ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [n, H], head_w [V, H] -> the k largest logits [n, k] (fp32) and their token ids [n, k], in row chunks
-    (`ranges`) so that at most one chunk x V of logits exists. One extra LM-head forward, no backward."""
-    hc = h.detach().to(head_w.dtype)
-    tops = [(hc[s:e] @ head_w.t()).float().topk(k, dim=-1) for s, e in ranges]
-    return torch.cat([t.values for t in tops]), torch.cat([t.indices for t in tops])
-
-
 def teacher_forced_picks(selector: CandidateSelector, h: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
                          block_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """h [A, B-1, H], unary / candidates [A, B-1, K], block_ids [A, B], labels [A, B-1] -> (scores [A, B-1, K],
@@ -42,14 +34,12 @@ def teacher_forced_picks(selector: CandidateSelector, h: torch.Tensor, unary: to
     return scores, candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
 
 
-def selector_objective(selector: CandidateSelector, h: torch.Tensor, head_w: torch.Tensor, block_ids: torch.Tensor,
-                       labels: torch.Tensor, weights: torch.Tensor,
-                       ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [A, B-1, H] drafter states, block_ids [A, B], labels [A, B-1], weights [A, B-1] (position weight x valid)
-    -> (selector loss, the selector's picks [A, B-1])."""
-    A, P, Hs = h.shape
-    unary, candidates = top_candidates(h.reshape(A * P, Hs), head_w, selector.top_k, ranges)
-    unary, candidates = unary.view(A, P, -1), candidates.view(A, P, -1)
+def selector_objective(selector: CandidateSelector, h: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor,
+                       block_ids: torch.Tensor, labels: torch.Tensor,
+                       weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [A, B-1, H] drafter states, unary / candidates [A, B-1, K] (the top-K logits, constants, and their ids),
+    block_ids [A, B], labels [A, B-1], weights [A, B-1] (position weight x valid) -> (selector loss, the selector's
+    picks [A, B-1])."""
     scores, picks = teacher_forced_picks(selector, h, unary, candidates, block_ids, labels)
     scores = scores.float()
     hit = candidates == labels[..., None]                                                # [A, B-1, K]
