@@ -100,17 +100,17 @@ def test_target_block_mask_tiles_cover_exactly_the_document_causal_pairs(lens, T
 def test_graphed_features_reuse_static_buffers_and_hand_out_copies(tiny_target):
     """model.target_graphs' wrapper (eager here; captured on CUDA): rows copied into static buffers give the plain
     forward's features, each call's result survives the next call, and a row of another length is refused."""
-    from dflash_train.models.target import GraphedFeatures
+    from dflash_train.models.target import FeatureForward
 
     t = load_target(tiny_target, [1, 3])
     rows = [pack_samples(random_docs(lens, seed=i), 32)[0] for i, lens in enumerate([(7, 11, 5), (20, 12), (32,)])]
-    fn = GraphedFeatures(t, 32, graphs=False)
+    fn = FeatureForward(t, 32, graphs=False)
     outs = [fn(r.input_ids, r.position_ids, r.doc_ids) for r in rows]
     for r, out in zip(rows, outs):
         torch.testing.assert_close(out, t.features(r.input_ids, r.position_ids, r.doc_ids))
-    with pytest.raises(ValueError, match="captured at 32"):
+    with pytest.raises(ValueError, match="rows of 32"):
         fn(torch.zeros(16, dtype=torch.long), torch.arange(16), torch.zeros(16, dtype=torch.long))
-    GraphedFeatures(load_target(tiny_target, [1, 3], attention="flex"), 32, graphs=False)  # flex is accepted too
+    FeatureForward(load_target(tiny_target, [1, 3], attention="flex"), 32, graphs=False)  # flex is accepted too
 
 
 def test_target_graphs_config_errors_are_one_sentence(tiny_llama, tmp_path, capsys):

@@ -36,6 +36,10 @@ def _f(default: Any, help: str, **kw) -> Any:
     return field(default=default, metadata={"help": help}, **kw)
 
 
+# model.target_compile's values: eager, or a torch.compile mode without inductor's CUDA graphs (FeatureForward).
+TARGET_COMPILE = ("eager", "default", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class ModelConfig:
     target: str | None = _f(None, "Target model: a local Hugging Face directory or a .gguf file. "
@@ -67,11 +71,29 @@ class ModelConfig:
                                     "replay it: a target step becomes one launch instead of a Python forward (small "
                                     "targets, whose forward is bound by Python launch overhead; several target "
                                     "threads in one process). CUDA only; sdpa or flex target attention.")
+    target_compile: str = _f("eager", "Compile the feature forward that the pipeline's target workers run on each row "
+                                      "with torch.compile at fixed shapes: eager (not compiled) | default | "
+                                      "max-autotune-no-cudagraphs (autotuned kernels, a longer compile). A row is "
+                                      "always train.token_budget tokens and the document mask is built inside the "
+                                      "forward from the row's document ids, so one compile serves every row; it "
+                                      "happens in each target worker at start-up. With model.target_graphs the "
+                                      "compiled forward is captured as one CUDA graph. The default stays eager "
+                                      "until the `target` benchmark measures the compiled pipeline forward faster "
+                                      "than flex + CUDA graph on a GPU. The single-device loop (--single) runs the "
+                                      "forward eager.")
 
     def __post_init__(self):
         if self.target_attention not in ("sdpa", "flex", "auto"):
             raise ConfigError("model.target_attention must be one of sdpa, flex, auto "
                               f"(got {self.target_attention!r}).")
+        if self.target_compile == "reduce-overhead":
+            raise ConfigError("model.target_compile=reduce-overhead is not offered (inductor's own CUDA graphs "
+                              "would hand out features that the next row overwrites); set model.target_compile="
+                              "default and model.target_graphs=true to capture the compiled forward as one CUDA "
+                              "graph.")
+        if self.target_compile not in TARGET_COMPILE:
+            raise ConfigError(f"model.target_compile must be one of {', '.join(TARGET_COMPILE)} "
+                              f"(got {self.target_compile!r}).")
         if self.block_size < 2:
             raise ConfigError(f"model.block_size must be at least 2 (got {self.block_size}): a block is the "
                               "anchor token plus at least one drafted token.")

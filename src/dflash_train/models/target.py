@@ -17,6 +17,11 @@ Two ways to apply that mask (`model.target_attention`):
   documents) and evaluates the mask only on tiles cut by a document edge. Exact: the same (query, key) pairs as the
   dense mask. (HF's own alternative, no mask plus position_ids so that it detects packing from position resets, is
   exact for our rows too, but costs a host sync per forward to detect the packing; our doc_ids are the ground truth.)
+
+A target worker runs `features` through `FeatureForward` (one row of token_budget tokens at a time): as is,
+compiled by torch.compile at fixed shapes (`model.target_compile`), captured as one CUDA graph and replayed
+(`model.target_graphs`), or compiled and then captured. Both attentions build their mask inside the forward from
+doc_ids, so the mask is an input of the compiled or captured forward, never a reason to compile or capture again.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..config import TARGET_COMPILE
 from ..devices import choose, compute_dtype
 from ..errors import UserError
 from .cuda_graph import GraphedStep
@@ -348,29 +354,48 @@ def load_target(target: str | None, layer_ids: list[int] | None = None, num_feat
     return TargetModel(hf, ids, truncate=truncate, final_hidden=final_hidden)
 
 
-class GraphedFeatures:
-    """`target.features` for rows of one length T, captured once as a CUDA graph and replayed (`graphs=True`), or
-    run eagerly (CPU, tests). The document mask is built inside the graph from doc_ids, so a row costs one launch
-    and three small copies instead of a Python forward through every layer. Each call returns a new tensor (copied
-    out of the graph's static output), so callers may queue it while the next row runs. Either attention: the flex
-    BlockMask is built from doc_ids on the device too (doc_causal_block_mask: no host sync)."""
+class FeatureForward:
+    """What a target worker runs on each row: `target.features` on rows of exactly T tokens, compiled
+    (`compile`, model.target_compile), captured once as a CUDA graph and replayed (`graphs`, model.target_graphs),
+    both, or neither.
 
-    def __init__(self, target: TargetModel, T: int, graphs: bool):
+    compile: torch.compile with fixed shapes (dynamic=False). The row is always T tokens and the document mask is
+    built inside the forward from doc_ids, a tensor input, so a new document layout runs the same compiled code; a
+    row of another length is refused here rather than compiled again. Compiling happens on the first call, in the
+    calling thread (the target worker's setup), under the process's compile policy (training/cudagraphs.py, applied
+    at start-up). backend: a stand-in for inductor (tests and the CPU smoke benchmark: aot_eager traces the same
+    graph without generating code); torch.compile takes a mode or a backend, not both.
 
+    graphs: rows are copied into static buffers that the captured forward reads, so a row costs one launch and three
+    small copies instead of a Python forward through every layer; each call returns a copy of the graph's static
+    output, so callers may queue it while the next row runs. Either attention: the flex BlockMask is built from
+    doc_ids on the device too (doc_causal_block_mask: no host sync). With compile as well, the compiled forward is
+    what is captured: inductor's own CUDA graphs (mode reduce-overhead) stay out, one capture of the whole forward
+    serves instead."""
+
+    def __init__(self, target: TargetModel, T: int, compile: str = "eager", graphs: bool = False,
+                 backend: str | None = None):
+        if compile not in TARGET_COMPILE:
+            raise ValueError(f"compile must be one of {TARGET_COMPILE}, got {compile!r}")
+        forward = target.features
+        if compile != "eager":
+            forward = torch.compile(forward, dynamic=False, **({"backend": backend} if backend else {"mode": compile}))
         dev = target.device
-        self.T = T
+        self.T, self.compiled = T, compile != "eager"
         self.ids = torch.zeros(T, dtype=torch.long, device=dev)
         self.pos = torch.arange(T, device=dev)
         self.docs = torch.zeros(T, dtype=torch.long, device=dev)
-        self.step = GraphedStep(lambda: target.features(self.ids, self.pos, self.docs), graphs)
+        self.step = GraphedStep(lambda: forward(self.ids, self.pos, self.docs), graphs)
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids, position_ids, doc_ids: [T] -> feats [T, k*H] (target.features), a tensor of its own."""
         if input_ids.shape[0] != self.T:
-            raise ValueError(f"a row of {input_ids.shape[0]} tokens for a graph captured at {self.T}")
+            raise ValueError(f"a row of {input_ids.shape[0]} tokens for a forward built for rows of {self.T}")
         self.ids.copy_(input_ids, non_blocking=True)
         self.pos.copy_(position_ids, non_blocking=True)
         self.docs.copy_(doc_ids, non_blocking=True)
-        return self.step().clone()
+        feats = self.step()
+        return feats.clone() if self.step.graph is not None else feats  # the next replay overwrites the graph's
 
 
 def target_config_info(target: str | None) -> TargetInfo:

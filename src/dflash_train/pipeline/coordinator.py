@@ -150,7 +150,8 @@ class _Pipeline:
         inboxes = [queue.Queue(1) for _ in drafter_devices]     # DrafterInput: 1 here + 1 being trained
         in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
         warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
-        self.targets = [TargetWorker(i, c, t, d, batches, feats, warm, graphs=cfg.model.target_graphs)
+        self.targets = [TargetWorker(i, c, t, d, batches, feats, warm, graphs=cfg.model.target_graphs,
+                                     compile=cfg.model.target_compile)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]
         # The drafters' clocks exist before the drafters: the reporter that replica 0 holds reads all of them.
         clocks = [StageClock(d) for d in drafter_devices]
@@ -161,7 +162,7 @@ class _Pipeline:
                                      target_clocks={t.name: t.clock for t in self.targets},
                                      drafter_clocks={f"drafter{r}": clock for r, clock in enumerate(clocks)},
                                      busy=clocks[0])
-        self.guard = RecompileGuard(cfg.train.compile != "eager")
+        self.guard = RecompileGuard(cfg.train.compile != "eager" or cfg.model.target_compile != "eager")
         self.gradsync = GradAverager(self.n, c, self.peers, cfg.pipeline.grad_reduce, budget=self.budget)
         embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed
         shared = DrafterShared(c, cfg.train, self.run_setup.total_steps, self.start_step, init, state, embed_w,

@@ -1,6 +1,7 @@
 """Stage 2, a target worker: one thread per target device, each with its own frozen TargetModel.
 
-  TrainBatch (CPU) -> target.features -> FeatureItem(batch, feats [T, k*H] on the target device, ready event)
+  TrainBatch (CPU) -> FeatureForward (target.features, eager or compiled, optionally one CUDA graph)
+                   -> FeatureItem(batch, feats [T, k*H] on the target device, ready event)
 
 Several target workers share one input queue, so they may finish out of order; the prefetcher restores the order.
 """
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.packing import TrainBatch
-from ..models.target import GraphedFeatures, TargetModel
+from ..models.target import FeatureForward, TargetModel
 from .devices import new_stream, record_event
 from .faults import poison_
 from .worker import END_OF_DATA, RunControl, Worker
@@ -29,21 +30,23 @@ class FeatureItem:
 class TargetWorker(Worker):
     def __init__(self, index: int, control: RunControl, target: TargetModel,
                  device: torch.device, inbox: queue.Queue, out: queue.Queue, warmup: TrainBatch,
-                 graphs: bool = False):
+                 graphs: bool = False, compile: str = "eager"):
         super().__init__(f"target{index}", control, device)
         self.target, self.inbox, self.out, self.warmup = target, inbox, out, warmup
         self.graphs = graphs  # model.target_graphs: one CUDA graph per row instead of a Python forward
+        self.compile = compile  # model.target_compile: eager | a torch.compile mode
         self.stream = new_stream(device)  # its own stream: overlaps a drafter sharing the GPU
-        self.forward = target.features
+        self.forward: FeatureForward | None = None  # built in setup(), in this thread
 
     def _features(self, batch: TrainBatch) -> torch.Tensor:
         b = batch.to(self.device, non_blocking=True)
         return self.forward(b.input_ids, b.position_ids, b.doc_ids)  # [T, k*H]
 
     def setup(self) -> None:
-        if self.graphs:  # captured here, in this thread, on this worker's stream and device
-            self.forward = GraphedFeatures(self.target, self.warmup.input_ids.shape[0], graphs=True)
-        # One forward of the real shapes: lazy CUDA/library initialisation happens here, not in the first step.
+        # Built, captured and compiled here: in this thread, on this worker's stream and device.
+        self.forward = FeatureForward(self.target, self.warmup.input_ids.shape[0], self.compile, self.graphs)
+        # One forward of the real shapes: compiling and lazy CUDA/library initialisation happen here, not in the
+        # first step (and before the recompile guard is armed).
         self._features(self.warmup)
 
     def loop(self) -> None:
