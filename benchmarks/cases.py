@@ -21,7 +21,7 @@ from dflash_train.data.packing import Sample, make_batch, pack_samples
 from dflash_train.models.build import dflash2_config
 from dflash_train.models.drafter import DFlashDrafter, build_drafter_config
 from dflash_train.models.drafter2 import DFlash2Drafter
-from dflash_train.models.target import GraphedFeatures, TargetInfo, TargetModel, default_layer_ids
+from dflash_train.models.target import FeatureForward, TargetInfo, TargetModel, default_layer_ids
 from dflash_train.training.cudagraphs import configure_cudagraphs
 from dflash_train.training.flops import drafter_step_flops, target_forward_flops, visible_pairs
 from dflash_train.training.objective import block_layout, default_gamma, dense_block_mask, position_weights, sdpa_attend
@@ -291,7 +291,8 @@ def bench_dflash2(ctx: Context):
         ctx.variant("dflash2", f"{arch} compile {mode}", shape, run, cost_s=90)
 
 
-@benchmark("target", "target stage alone: feature-tap forward (TargetModel.features), eager and torch.compile")
+@benchmark("target", "target stage alone: feature-tap forward (TargetModel.features), eager, CUDA graph and "
+                    "torch.compile, the last two as the pipeline's target worker runs them (FeatureForward)")
 def bench_target(ctx: Context):
     s, dev = ctx.suite, ctx.device
     info = target_info(s)
@@ -348,36 +349,55 @@ def bench_target(ctx: Context):
         return measure(fwd, T_max, T_max * T_max / 2)
     ctx.variant("target", "eager, causal only (ceiling: ignores documents)", f"T={T_max}", causal_only, cost_s=15)
 
-    for attention in ("sdpa", "flex"):
-        def graphed(attention=attention):
-            """model.target_graphs: the document-mask forward captured once as a CUDA graph and replayed (plus the
-            row's copies in and the features' copy out, as the pipeline's target worker runs it)."""
-            if dev.type != "cuda":
-                raise Skip("CUDA graphs need a CUDA device")
-            target, ids, pos, doc, row = inputs(T_max)
-            target.set_attention(attention)
-            try:
-                fn = GraphedFeatures(target, T_max, graphs=True)
-                return measure(lambda i: fn(ids, pos, doc), T_max, causal_pairs(row.doc_ids))
-            finally:
-                target.set_attention("sdpa")
-        ctx.variant("target", f"CUDA graph, {attention} (model.target_graphs)", f"T={T_max}", graphed, cost_s=40)
-
-    for T in s.target_compile_seqs:
-        def compiled(T=T):
-            target, ids, pos, doc, row = inputs(T)
-            if "target_compiled" not in ctx.cache:
+    def pipeline_forward(T: int, attention: str, compile: str, graphs: bool) -> Row:
+        """The target worker's own forward: FeatureForward as pipeline/target_worker.py builds it from
+        model.target_attention, model.target_compile and model.target_graphs (compiled on its first call, or while
+        it is captured; timed with the row's copies in and, under a graph, the features' copy out)."""
+        if graphs and dev.type != "cuda":
+            raise Skip("CUDA graphs need a CUDA device")
+        target, ids, pos, doc, row = inputs(T)
+        target.set_attention(attention)
+        try:
+            if compile != "eager":
                 configure_cudagraphs()  # the training's compile policy (training/cudagraphs.py)
-                kw = {"backend": s.compile_backend} if s.compile_backend else {}
-                ctx.cache["target_compiled"] = torch.compile(target.features, dynamic=False, **kw)
-            fn = ctx.cache["target_compiled"]
             before = compile_counters()
-            r = measure(lambda i: fn(ids, pos, doc), T, causal_pairs(row.doc_ids))
+            t0 = time.perf_counter()
+            fn = FeatureForward(target, T, compile, graphs, backend=s.compile_backend if compile != "eager" else None)
+            sync(dev)
+            build_s = time.perf_counter() - t0
+            r = measure(lambda i: fn(ids, pos, doc), T, causal_pairs(row.doc_ids), extra={"build_s": build_s})
+        finally:
+            target.set_attention("sdpa")
+        if graphs:
+            r.note += f", captured in {build_s:.1f}s"
+        if compile != "eager":
             r.extra["compile"] = counters_delta(before, compile_counters())
             if r.extra["compile"].get("graph_breaks"):
                 r.note += f", {r.extra['compile']['graph_breaks']} graph breaks"
-            return r
-        ctx.variant("target", "torch.compile (default)", f"T={T}", compiled, cost_s=100)
+            flex_graph = next((x for x in ctx.rows if x.bench == "target" and x.status == "ok"
+                               and x.variant == flex_graph_variant and x.shape == f"T={T}"), None)
+            if flex_graph is not None:  # what the compiled pipeline forward must beat to become the GPU default
+                r.extra["speedup_vs_flex_graph"] = flex_graph.ms / r.ms
+                r.note += f", {flex_graph.ms / r.ms:.3f}x the speed of flex + CUDA graph"
+        return r
+
+    flex_graph_variant = "CUDA graph, flex (model.target_graphs)"  # the product's fastest path before compiling
+    for attention in ("sdpa", "flex"):
+        ctx.variant("target", f"CUDA graph, {attention} (model.target_graphs)", f"T={T_max}",
+                    lambda a=attention: pipeline_forward(T_max, a, "eager", graphs=True), cost_s=40)
+
+    # The compiled pipeline forward (model.target_compile): the P1 candidate (flex, one CUDA graph) first.
+    for label, attention, mode, graphs, cost in (
+            ("compile default + CUDA graph, flex (model.target_compile)", "flex", "default", True, 120),
+            ("compile default, flex (model.target_compile)", "flex", "default", False, 40),
+            ("compile default + CUDA graph, sdpa (model.target_compile)", "sdpa", "default", True, 120),
+            ("compile max-autotune-no-cudagraphs + CUDA graph, flex (model.target_compile)", "flex",
+             "max-autotune-no-cudagraphs", True, 300)):
+        ctx.variant("target", label, f"T={T_max}",
+                    lambda a=attention, m=mode, g=graphs: pipeline_forward(T_max, a, m, g), cost_s=cost)
+    for T in s.target_compile_seqs:  # the dense document mask compiled (model.target_attention=sdpa)
+        ctx.variant("target", "torch.compile (default)", f"T={T}",
+                    lambda T=T: pipeline_forward(T, "sdpa", "default", graphs=False), cost_s=100)
 
 
 @benchmark("colocated", "colocated baseline: one device runs the target forward then the drafter step, "

@@ -34,6 +34,11 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
         timed = r["bench"] in ("drafter", "target", "colocated", "dflash2") and r["variant"] != "build"
         if r["status"] == "ok" and timed:
             assert r["ms"] > 0 and r["mfu"] > 0 and r["tokens_per_s"] > 0, r
+    # the pipeline's compiled target forward (FeatureForward), flex and sdpa; its CUDA-graph variants skip on CPU
+    compiled_target = [r for r in rows if r["bench"] == "target" and "compile" in r["variant"] and r["status"] == "ok"]
+    assert {r["variant"] for r in compiled_target} == {"compile default, flex (model.target_compile)",
+                                                       "torch.compile (default)"}, compiled_target
+    assert all(r["extra"]["compile"]["graph_breaks"] == 0 for r in compiled_target), compiled_target
     drafter = [r for r in rows if r["bench"] == "drafter"]
     for r in drafter:
         assert r["extra"]["loss"] == r["extra"]["loss"], "loss is NaN"
