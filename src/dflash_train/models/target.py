@@ -361,17 +361,18 @@ class FeatureForward:
 
     compile: torch.compile with fixed shapes (dynamic=False). The row is always T tokens and the document mask is
     built inside the forward from doc_ids, a tensor input, so a new document layout runs the same compiled code; a
-    row of another length is refused here rather than compiled again. Compiling happens on the first call, in the
-    calling thread (the target worker's setup), under the process's compile policy (training/cudagraphs.py, applied
-    at start-up). backend: a stand-in for inductor (tests and the CPU smoke benchmark: aot_eager traces the same
-    graph without generating code); torch.compile takes a mode or a backend, not both.
+    row of another length is refused here rather than compiled again. Compiling happens on the forward's first call
+    (with graphs, the capture's warm-up at construction), in the calling thread (the target worker's setup), under
+    the process's compile policy (training/cudagraphs.py, applied at start-up). backend: a stand-in for inductor
+    (tests and the CPU smoke benchmark: aot_eager traces the same graph without generating code); torch.compile
+    takes a mode or a backend, not both.
 
     graphs: rows are copied into static buffers that the captured forward reads, so a row costs one launch and three
     small copies instead of a Python forward through every layer; each call returns a copy of the graph's static
     output, so callers may queue it while the next row runs. Either attention: the flex BlockMask is built from
     doc_ids on the device too (doc_causal_block_mask: no host sync). With compile as well, the compiled forward is
-    what is captured: inductor's own CUDA graphs (mode reduce-overhead) stay out, one capture of the whole forward
-    serves instead."""
+    what is captured; inductor's own CUDA graphs (mode reduce-overhead) are not used, one capture of the whole
+    forward serves instead."""
 
     def __init__(self, target: TargetModel, T: int, compile: str = "eager", graphs: bool = False,
                  backend: str | None = None):
@@ -381,7 +382,7 @@ class FeatureForward:
         if compile != "eager":
             forward = torch.compile(forward, dynamic=False, **({"backend": backend} if backend else {"mode": compile}))
         dev = target.device
-        self.T, self.compiled = T, compile != "eager"
+        self.T = T
         self.ids = torch.zeros(T, dtype=torch.long, device=dev)
         self.pos = torch.arange(T, device=dev)
         self.docs = torch.zeros(T, dtype=torch.long, device=dev)
@@ -395,7 +396,7 @@ class FeatureForward:
         self.pos.copy_(position_ids, non_blocking=True)
         self.docs.copy_(doc_ids, non_blocking=True)
         feats = self.step()
-        return feats.clone() if self.step.graph is not None else feats  # the next replay overwrites the graph's
+        return feats.clone() if self.step.graph is not None else feats  # a graph's output: the next replay reuses it
 
 
 def target_config_info(target: str | None) -> TargetInfo:
