@@ -11,6 +11,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models are launch-bound, and two pytest-xdist workers share the cores (pyproject.toml): a second intra-op
+# thread per test process only spins against the other worker (10x slower on a loaded 2-core box). One thread in
+# every test process, run alone (-k, -n 0) or in the suite alike; the pipeline still sets its own workers' counts.
+torch.set_num_threads(1)
 
 # Hang guards, not speed limits (speed is the benchmarks' business): 10x and more the normal time on an idle 2-core
 # box, so that a busy machine never trips one. pytest-timeout (pyproject.toml) guards each test as a whole.
@@ -95,7 +99,7 @@ def tiny_target(request, tiny_llama, tiny_qwen3):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny models are launch-bound: extra intra-op threads only contend (10x slower on a loaded 2-core box).
+    """One intra-op thread for a module, whatever a test before it set (the default here is one already, above).
     Use per module: pytestmark = pytest.mark.usefixtures("one_thread")."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)

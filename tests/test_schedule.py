@@ -128,7 +128,7 @@ def test_lr_follows_the_clock_and_replicas_stay_identical(tiny_llama, tmp_path, 
     from dflash_train.training.trainer import train_single_device
 
     cfg = load_config("tiny_cpu", [f"model.target={tiny_llama}", f"run.out_dir={tmp_path / 'run'}",
-                                   "train.max_steps=null", "train.epochs=10000", "train.max_minutes=0.1",
+                                   "train.max_steps=null", "train.epochs=10000", "train.max_minutes=0.05",
                                    "train.warmup_ratio=0.0", "train.log_every=1",
                                    f"pipeline.drafter_devices={['cpu'] * max(1, replicas)}"])
     res = train_pipeline(cfg) if replicas else train_single_device(cfg)
