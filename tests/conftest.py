@@ -12,7 +12,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tiny models are launch-bound, and three pytest-xdist workers share the cores (pyproject.toml): a second intra-op
-# thread per test process only spins against the other worker (10x slower on a loaded 2-core box). One thread in
+# thread per test process only spins against the other workers (10x slower on a loaded 2-core box). One thread in
 # every test process, run alone (-k, -n 0) or in the suite alike; the pipeline still sets its own workers' counts.
 torch.set_num_threads(1)
 
