@@ -14,6 +14,7 @@ this command next to them.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -112,7 +113,7 @@ def profile_drafter() -> None:
                 rig = DrafterRig(ctx, mode, "flex", tag=f"profile-{arch}-{mode}", suite=suite, architecture=arch)
                 feats = torch.randn(suite.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size,
                                     device=ctx.device, dtype=suite.dtype)
-                calls = iter(range(10**9))
+                calls = itertools.count()
 
                 def step():
                     rig.fwd_bwd(batches[next(calls) % len(batches)], feats)
