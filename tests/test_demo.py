@@ -256,6 +256,7 @@ def test_demo_gpu_settings_are_a_valid_config(chat_target, tmp_path):
 
     cfg = build_demo_config(torch.device("cuda", 0), None, str(tmp_path / "demo"), [f"model.target={chat_target}"])
     assert cfg.data.regenerate and cfg.model.target_graphs and cfg.model.target_attention == "flex"
+    assert cfg.model.target_compile == "default"  # checked against eager on an H200: benchmarks/gpu_target_compile_check.py
     assert cfg.pipeline.target_devices == cfg.pipeline.drafter_devices == ["cuda:0"]
 
 

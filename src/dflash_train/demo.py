@@ -38,15 +38,17 @@ log = logging.getLogger("dflash_train")
 
 RECIPE = "smollm2_demo"
 # One H200: ~5 minutes of regeneration (the first answer of every ShareGPT conversation, then prompts the target
-# writes itself), then 8 minutes of training whose LR schedule follows the clock (training/optim.py, follows_clock)
-# over at most 8 epochs of the data; 8,192-token rows with 1,024 anchors, flex target attention replayed as a CUDA graph, validation every 500 steps on 4 held-out rows.
+# writes itself) while a child process compiles the training step (training/warmup.py), then 8 minutes of training
+# whose LR schedule follows the clock (training/optim.py, follows_clock) over at most 10 epochs of the data;
+# 8,192-token rows with 1,024 anchors, the target's forward compiled and replayed as a CUDA graph (flex attention),
+# validation every 500 steps on 4 held-out rows.
 GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenerate_first_turn_only=true",
                  "data.self_prompts=40000", "data.regenerate_minutes=5", "data.max_length=2048",
                  "train.token_budget=8192", "train.num_anchors=1024", "train.lr=2e-3", "train.warmup_ratio=0.04",
-                 "train.max_steps=null", "train.epochs=8", "train.max_minutes=8",
+                 "train.max_steps=null", "train.epochs=10", "train.max_minutes=8",
                  "train.log_every=100", "train.eval_every=500", "train.eval_rows=4", "train.checkpoint_every=2000",
                  "train.final_eval_prompts=0", "model.num_draft_layers=5", "model.target_attention=flex",
-                 "model.target_graphs=true"]
+                 "model.target_graphs=true", "model.target_compile=default"]
 # What each device evaluates: (prompt set, prompts, new tokens per prompt). None = every prompt of the set.
 EVAL_PLAN = {"cpu": [("yardstick", 3, 32), ("heldout", 3, 32)],
              "cuda": [("yardstick", None, 256), ("heldout", 32, 256)]}
@@ -57,6 +59,7 @@ GPU_REFERENCE = ("On one H200 (2026-12-02), `dflash-train demo --device cuda` me
                  "yardstick and 3.68 (2.10x) on held-out ShareGPT, lossless, in 17 minutes with its data regenerated "
                  "(docs/BENCHMARKS.md, \"The GPU demo\").")
 HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf"
+WARMUP_WAIT_S = 240  # after the regeneration, at most this long for the compile warm-up (training/warmup.py)
 
 
 @dataclasses.dataclass
@@ -147,10 +150,12 @@ def regenerate_demo_data(cfg: Config, tokenizer) -> tuple[Config, dict | None]:
 def run_demo(device: str = "auto", minutes: float | None = None, out: str = "runs/demo",
              overrides: list[str] = (), prompts: str | None = None) -> DemoResult:
     """prompts: a prompt file of the user's own (another source than the training data), evaluated too."""
-    from .devices import parse_device
+    from .devices import parse_device, resolve_config
     from .inference.measure import measure_acceptance
     from .models.target import load_tokenizer
     from .pipeline.coordinator import run_log_file, train_pipeline
+    from .training.startup import use_compile_cache
+    from .training.warmup import CompileWarmup, wants_warmup
 
     t_start = time.perf_counter()
     dev = parse_device(device, "--device")
@@ -166,7 +171,15 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
     phases = {"setup": time.perf_counter() - t_start}
 
     t0 = time.perf_counter()
-    cfg, regen = regenerate_demo_data(cfg, tokenizer)
+    use_compile_cache(cfg)  # the run's compiles and the warm-up's share it
+    if wants_warmup(resolve_config(cfg)):  # the training step compiles in a child process while the target regenerates
+        where = data_dir_for(cfg.run.out_dir)
+        where.mkdir(parents=True, exist_ok=True)
+        with CompileWarmup(cfg, where / "compile_warmup", where / "compile_warmup.log") as warmup:
+            cfg, regen = regenerate_demo_data(cfg, tokenizer)
+            warmup.finish(WARMUP_WAIT_S)
+    else:
+        cfg, regen = regenerate_demo_data(cfg, tokenizer)
     phases["regenerate"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
