@@ -8,6 +8,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 import yaml
 
 from dflash_train.config import load_config
@@ -111,3 +112,16 @@ def test_a_caller_that_fails_before_finish_leaves_no_child(tmp_path):
             raise RuntimeError("regeneration failed")
     assert warmup.proc.poll() is not None
     assert not (tmp_path / "scratch").exists()
+
+
+def test_the_gpu_demo_config_makes_a_valid_child_config(tmp_path):
+    """The child's config is the run's written out as YAML and read back with warmup_overrides: a key the YAML
+    round trip loses, or an override the GPU demo's settings refuse, would fail only on the GPU."""
+    from dflash_train.demo import build_demo_config
+
+    target = make_tiny_chat_target(tmp_path / "target")
+    cfg = build_demo_config(torch.device("cuda", 0), None, str(tmp_path / "demo"), [f"model.target={target}"])
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    child = load_config(str(tmp_path / "config.yaml"), warmup_overrides(cfg, tmp_path / "scratch"))
+    assert child.model == cfg.model and child.pipeline == cfg.pipeline
+    assert child.train.max_steps == 2 and not child.data.regenerate and child.data.max_samples == 512
