@@ -93,12 +93,14 @@ start() {
 
 poll() {
   sleep "${POLL_S:-500}"
+  mkdir -p "$OUT" && cp $S/demo.log "$OUT/" 2>/dev/null  # what ran so far comes back even if the lease ends
   grep -v -E "it/s\]|s/it\]" $S/demo.log | grep -v "^.*step .*tok/s" | tail -12
   grep -E "^.* step " $S/demo.log | tail -3
 }
 
 vpoll() {
   sleep "${POLL_S:-500}"
+  mkdir -p "$OUT" && cp $S/demo.log "$OUT/" 2>/dev/null  # what ran so far comes back even if the lease ends
   tail -4 $S/variants.log
   for f in $S/variant_*.log; do echo "-- $f"; grep -E " step |val " $f | tail -2; done 2>/dev/null
 }
@@ -112,7 +114,7 @@ vcollect() {
 collect() {
   mkdir -p "$OUT"
   local r=$S/runs/demo
-  cp $S/demo.log "$OUT/" 2>/dev/null
+  cp $S/demo.log $S/runs/demo-data/compile_warmup.log "$OUT/" 2>/dev/null
   cp $r/demo.txt $r/demo.json $r/training.png $r/metrics.jsonl "$OUT/" 2>/dev/null
   for e in yardstick heldout; do cp $r/eval_$e/eval.json "$OUT/eval_$e.json" 2>/dev/null; done
   cat $r/demo.txt 2>/dev/null
