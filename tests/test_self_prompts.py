@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from dflash_train.errors import UserError
-from dflash_train.generation.self_prompts import (SelfPromptSettings, judge, normalised, user_turn_template,
-                                                  write_self_prompts)
+from dflash_train.generation.self_prompts import (FREE, OPENERS_PATH, SelfPromptSettings, judge, normalised,
+                                                  pick_openers, read_openers, user_turn_template, write_self_prompts)
 from tiny_chat import CHATML, make_byte_tokenizer, make_tiny_chat_target, write_chats
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run fastest on one thread
@@ -197,6 +198,158 @@ def test_sampling_gives_up_when_the_target_writes_no_usable_prompt(chat_target, 
     assert "passed the filters" in caplog.text
 
 
+# ------------------------------------------------------------------------------------------ steered by openers
+
+OPENERS = {"coding": ["Write code:", "Fix bug:"], "math": ["Solve:"]}
+
+
+def steered(openers=None, share=0.5, seed=0) -> SelfPromptSettings:
+    return dataclasses.replace(settings(seed), openers=OPENERS if openers is None else openers, steered=share,
+                               max_new_tokens=12)
+
+
+def opener_of(record: dict, openers: dict[str, list[str]]) -> str:
+    """The longest opener of a steered record's kind that its content starts with ("" if none)."""
+    text = record["messages"][0]["content"]
+    return max((o for o in openers[record["kind"]] if text.startswith(o)), key=len, default="")
+
+
+def test_the_bundled_openers_parse_grouped_by_kind_without_duplicates():
+    lines = OPENERS_PATH.read_text(encoding="utf-8").splitlines()
+    assert all(line.strip() and line.count("\t") == 1 for line in lines)  # no empty line, one tab each
+    openers = read_openers("builtin")
+    assert len(openers) >= 8 and FREE not in openers and all(len(pool) >= 10 for pool in openers.values())
+    flat = [o.casefold() for pool in openers.values() for o in pool]
+    assert 150 <= len(flat) == len(lines) and len(set(flat)) == len(flat)
+    kinds = [line.split("\t")[0] for line in lines]
+    assert [k for i, k in enumerate(kinds) if not i or k != kinds[i - 1]] == list(openers)  # each kind in one run
+
+
+def test_a_kind_is_picked_uniformly_whatever_its_number_of_openers():
+    openers = {"one": ["a"], "ten": [f"t{i}" for i in range(10)], "hundred": [f"h{i}" for i in range(100)]}
+    g = torch.Generator().manual_seed(0)
+    picks = [p for _ in range(20) for p in pick_openers(openers, 0.5, 1000, g)]
+    chosen = [p for p in picks if p is not None]
+    assert abs(len(chosen) / len(picks) - 0.5) < 0.02
+    kinds = Counter(k for k, _ in chosen)
+    assert set(kinds) == set(openers) and all(abs(n / len(chosen) - 1 / 3) < 0.02 for n in kinds.values())
+    tens = Counter(o for k, o in chosen if k == "ten")  # ~330 each: uniform within the kind too
+    assert len(tens) == 10 and max(tens.values()) < 1.3 * min(tens.values())
+    assert None not in pick_openers(openers, 1.0, 200, g)
+    state = g.get_state()
+    assert pick_openers(openers, 0.0, 8, g) == [None] * 8 and torch.equal(g.get_state(), state)  # nothing drawn
+
+
+def test_steered_prompts_start_with_their_opener_and_render_as_conversations(chat_target, tmp_path):
+    tok = make_byte_tokenizer()
+    hf = letter_lm(chat_target, tok, alphabet="abc ", p_end=0.2)
+    stats = write_self_prompts(hf, tok, tmp_path / "s.jsonl", 16, steered())
+    records = _lines(tmp_path / "s.jsonl")
+    assert len(records) == 16 and all(list(r) == ["id", "messages", "batch", "kind"] for r in records)
+    kinds = Counter(r["kind"] for r in records)
+    assert set(kinds) == {FREE, "coding", "math"} and stats.kinds == kinds and "new by kind: coding=" in stats.line()
+    assert stats.dropped["empty"] > 0  # a turn that ends right after its opener is dropped, not kept as the opener
+    tpl = user_turn_template(tok)
+    for r in records:
+        text = r["messages"][0]["content"]
+        opener = "" if r["kind"] == FREE else opener_of(r, OPENERS)
+        assert opener or r["kind"] == FREE
+        own = text[len(opener):]
+        assert own.strip() and set(own) <= set("abc ")  # everything after the opener is the target's
+        rendered = tok.apply_chat_template(r["messages"], tokenize=False)
+        assert rendered == f"<|im_start|>user\n{text}<|im_end|>\n"
+        ids = tok(rendered, add_special_tokens=False)["input_ids"]
+        assert ids[:len(tpl.prefix_ids)] == tpl.prefix_ids and ids.count(tpl.end_id) == 1
+
+    assert write_self_prompts(hf, tok, tmp_path / "all.jsonl", 8, steered(share=1.0)).kept == 8
+    assert {r["kind"] for r in _lines(tmp_path / "all.jsonl")} <= set(OPENERS)  # share 1: every row steered
+
+
+def test_without_steering_the_file_is_plain_magpie(chat_target, tmp_path):
+    """Share 0, or no openers: not one draw more, so the same file (and meta) as plain Magpie for the same seed."""
+    tok = make_byte_tokenizer()
+    hf = letter_lm(chat_target, tok, alphabet="ab", p_end=0.3)
+    files = []
+    for name, s in (("plain", dataclasses.replace(settings(), max_new_tokens=12)),
+                    ("share0", steered(read_openers("builtin"), share=0.0)), ("none", steered({}, share=0.75))):
+        write_self_prompts(hf, tok, tmp_path / f"{name}.jsonl", 12, s)
+        files.append(((tmp_path / f"{name}.jsonl").read_text(), (tmp_path / f"{name}.meta.json").read_text()))
+    assert files[0] == files[1] == files[2]
+    assert all("kind" not in r for r in _lines(tmp_path / "plain.jsonl"))
+
+
+def test_steered_prompts_are_reproducible_resumable_and_tied_to_their_openers(chat_target, tmp_path):
+    tok = make_byte_tokenizer()
+    hf = letter_lm(chat_target, tok, alphabet="abc ", p_end=0.2)
+    out = tmp_path / "a.jsonl"
+    write_self_prompts(hf, tok, out, 12, steered())
+    data = out.read_text()
+    write_self_prompts(hf, tok, tmp_path / "b.jsonl", 12, steered())
+    assert (tmp_path / "b.jsonl").read_text() == data
+    write_self_prompts(hf, tok, tmp_path / "c.jsonl", 12, steered(seed=1))
+    assert (tmp_path / "c.jsonl").read_text() != data
+
+    # Asked for 5, then for 12; a crash that cut the last line: both the file an uninterrupted run writes.
+    grown = tmp_path / "grown.jsonl"
+    write_self_prompts(hf, tok, grown, 5, steered())
+    write_self_prompts(hf, tok, grown, 12, steered())
+    assert grown.read_text() == data
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(data[: len(data) - 7])
+    (tmp_path / "cut.meta.json").write_text(out.with_suffix(".meta.json").read_text())
+    write_self_prompts(hf, tok, cut, 12, steered())
+    assert cut.read_text() == data
+
+    # Other openers or another share: refused, not extended; with replace, the file starts over.
+    other = {"coding": ["Write code:"], "math": ["Solve:"]}
+    with pytest.raises(UserError, match="other settings.*openers_sha1="):
+        write_self_prompts(hf, tok, out, 12, steered(other))
+    with pytest.raises(UserError, match="other settings.*steered=0.5 \\(now 0.25\\)"):
+        write_self_prompts(hf, tok, out, 12, steered(share=0.25))
+    assert out.read_text() == data
+    write_self_prompts(hf, tok, out, 12, steered(other), replace=True)
+    assert len(_lines(out)) == 12 and all(opener_of(r, other) for r in _lines(out) if r["kind"] != FREE)
+
+
+@pytest.mark.parametrize("content,match", [
+    ("coding\tWrite code:\nmath Solve:\n", "Line 2 of the opener file"),       # no tab
+    ("free\tAnything\n", "Line 1 of"),                                         # the unsteered rows' kind
+    ("coding\t   \n", "Line 1 of"),                                            # no opener
+    ("two words\tSolve:\n", "Line 1 of"),                                      # a kind is one word
+    ("\n\n", "holds no openers"),
+    (b"coding\t\xff\xfe\n", "not UTF-8"),
+])
+def test_a_malformed_opener_file_is_one_error(tmp_path, content, match):
+    path = tmp_path / "openers.txt"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(UserError, match=match) as e:
+        read_openers(str(path))
+    assert "kind<TAB>opener" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_user_opener_file_is_read_and_checked_before_any_model_loads(chat_target, tmp_path, monkeypatch):
+    import dflash_train.generation.run_data as regen_mod
+    from dflash_train.config import ConfigError, build_config
+
+    path = tmp_path / "openers.txt"
+    path.write_text("coding\tWrite code:\n\nmath\tSolve:\nmath\tProve:\n")
+    assert read_openers(str(path)) == {"coding": ["Write code:"], "math": ["Solve:", "Prove:"]}
+    assert read_openers("none") == {}
+    with pytest.raises(ConfigError, match="data.self_prompt_openers must be"):
+        build_config({"data": {"self_prompt_openers": str(tmp_path / "missing.txt")}})
+    with pytest.raises(ConfigError, match="data.self_prompt_steered"):
+        build_config({"data": {"self_prompt_steered": 1.5}})
+
+    path.write_text("coding Write code:\n")
+    monkeypatch.setattr(regen_mod, "load_causal_lm", lambda *a: pytest.fail("a model loaded"))
+    cfg = build_config({"model": {"target": chat_target},
+                        "data": {"source": str(write_chats(tmp_path / "chats.jsonl", 2)), "regenerate": True,
+                                 "self_prompts": 2, "self_prompt_openers": str(path)},
+                        "pipeline": {"target_devices": ["cpu"], "drafter_devices": ["cpu"]}})
+    with pytest.raises(UserError, match="Line 1 of the opener file"):
+        regenerate_data(cfg, tmp_path / "run", make_byte_tokenizer())
+
+
 def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversations(chat_target, tmp_path,
                                                                                      monkeypatch, caplog):
     """data.regenerate + data.self_prompts through regenerate_for_run: the prompts are written, answered by the
@@ -221,6 +374,9 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
     assert d.mix == [str(run / "regenerated.jsonl"), str(run / "self_regenerated.jsonl")] and not d.regenerate
     prompts = _lines(run / "self_prompts.jsonl")
     assert len(prompts) == 5
+    builtin = read_openers("builtin")  # the defaults steer: data.self_prompt_openers=builtin, a share of 0.75
+    assert any(p["kind"] != FREE for p in prompts)
+    assert all(opener_of(p, builtin) for p in prompts if p["kind"] != FREE)
     regen = {r["id"]: r for r in _lines(run / "self_regenerated.jsonl")}
     assert len(regen) == 5
     for p in prompts:

@@ -155,6 +155,16 @@ class DataConfig:
                               "Resumable. 0 = off.")
     self_prompt_max_tokens: int = _f(128, "data.self_prompts: a sampled prompt that has not ended after this many "
                                           "tokens is dropped as truncated.")
+    self_prompt_openers: str = _f("builtin", "data.self_prompts: the openers a steered prompt starts from, each the "
+                                             "first few words of a request that the target then continues itself: "
+                                             "'builtin' (the bundled ones, of ten kinds: coding, math, STEM, "
+                                             "humanities, reasoning, extraction, writing, roleplay, advice, "
+                                             "knowledge), 'none' (every prompt from the bare user-turn header), or "
+                                             "a file of your own with one `kind<TAB>opener` line per opener.")
+    self_prompt_steered: float = _f(0.75, "data.self_prompts: the share of sampled prompts that start from an "
+                                          "opener (a kind uniformly, then an opener of that kind; the file records "
+                                          "each prompt's kind); the rest start from the bare user-turn header. "
+                                          "0 = none.")
     mix: list[str] = _f([], "Train on several sources at once: entries 'source:weight' (a source as data.source takes "
                             "it, e.g. a regenerated file; weight a positive number), e.g. [sharegpt:3, mine.jsonl:1]. "
                             "Source i gets weight_i / sum of weights of the training conversations (data.max_samples "
@@ -190,6 +200,12 @@ class DataConfig:
         if self.self_prompts < 0 or self.self_prompt_max_tokens < 1:
             raise ConfigError("data.self_prompts must be 0 (off) or positive and data.self_prompt_max_tokens at "
                               f"least 1 (got {self.self_prompts} and {self.self_prompt_max_tokens}).")
+        _require(0.0 <= self.self_prompt_steered <= 1.0, "data.self_prompt_steered", self.self_prompt_steered,
+                 "in [0, 1]")
+        if self.self_prompt_openers not in ("builtin", "none") and \
+                not Path(self.self_prompt_openers).expanduser().is_file():
+            raise ConfigError(f"data.self_prompt_openers must be 'builtin', 'none' or an existing file of "
+                              f"`kind<TAB>opener` lines (got {self.self_prompt_openers!r}).")
         if self.self_prompts and not self.regenerate:
             raise ConfigError("data.self_prompts needs data.regenerate=true (the target answers its own prompts "
                               "before training); set both, or data.self_prompts=0.")

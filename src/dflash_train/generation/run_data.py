@@ -21,15 +21,17 @@ from ..devices import resolve_pipeline_devices
 from ..models.target import load_causal_lm
 from .engine import batch_size_for
 from .regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
-from .self_prompts import SelfPromptSettings, read_self_prompts, self_prompt_items, write_self_prompts
+from .self_prompts import (SelfPromptSettings, read_openers, read_self_prompts, self_prompt_items,
+                           write_self_prompts)
 
 log = logging.getLogger("dflash_train")
 
 
 def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, regenerated: Path, settings,
-                        stop: threading.Event | None = None, stats=None):
+                        openers: dict[str, list[str]], stop: threading.Event | None = None, stats=None):
     """data.self_prompts (called by regenerate_for_run with its loaded models, after it regenerated data.source into
-    `regenerated` with `settings`): write <out_dir>/self_prompts.jsonl with the first model, have every model
+    `regenerated` with `settings`): write <out_dir>/self_prompts.jsonl with the first model (a share of the prompts
+    steered by `openers`, read_openers of data.self_prompt_openers), have every model
     answer them into <out_dir>/self_regenerated.jsonl (greedy, like the other conversations; resumable), and return
     the DataConfig that reads both files, each conversation once (data.mix without weights: one log line each).
     A set `stop` (a time limit) ends both phases before their next batch: what was written is used. stats: the
@@ -37,9 +39,10 @@ def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, 
     d = cfg.data
     path = Path(out_dir) / "self_prompts.jsonl"
     answers = Path(out_dir) / "self_regenerated.jsonl"
-    log.info(f"data.self_prompts: the target writes {d.self_prompts} prompts of its own into {path}")
     own = SelfPromptSettings(target=settings.target, seed=cfg.train.seed, batch_size=batch_size,
-                             max_new_tokens=d.self_prompt_max_tokens)
+                             max_new_tokens=d.self_prompt_max_tokens, openers=openers, steered=d.self_prompt_steered)
+    steered = f" ({own.steered:.0%} start from an opener of {d.self_prompt_openers!r})" if own.steering else ""
+    log.info(f"data.self_prompts: the target writes {d.self_prompts} prompts of its own into {path}{steered}")
     meta = path.with_suffix(".meta.json")
     if path.is_file() and meta.is_file():
         # the batch size changes what each batch draws: a resumed file keeps the one it was written with
@@ -93,6 +96,7 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
                 return
 
     total = None if d.max_samples is None else d.max_samples + cap[True]
+    openers = read_openers(d.self_prompt_openers) if d.self_prompts else {}  # a malformed file fails before loading
     limit = f", for at most {d.regenerate_minutes:g} minutes" if d.regenerate_minutes else ""
     log.info(f"data.regenerate: the target rewrites {d.max_samples or 'all'} training conversations of "
              f"{d.source!r} into {out_path} on {', '.join(map(str, devices))}{limit}")
@@ -109,8 +113,8 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
         stats = regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
                                    total=total, replace_mismatch=cfg.run.overwrite, stop=stop)
         if d.self_prompts and not stop.is_set():  # prompts the target writes itself (generation/self_prompts.py)
-            d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings, stop=stop,
-                                    stats=stats)
+            d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings, openers,
+                                    stop=stop, stats=stats)
         elif d.self_prompts:
             log.warning("data.regenerate_minutes ran out before data.self_prompts: training without self-written "
                         "prompts (raise data.regenerate_minutes for them)")

@@ -1,17 +1,23 @@
 """Prompts the target writes itself (the technique published as Magpie, arXiv 2406.08464): a chat model given its
-template's user-turn header and no content writes a user turn of the kind it was trained to answer.
+template's user-turn header and no content writes a user turn of the kind it was trained to answer. A small chat
+model left alone writes mostly casual chat, so a share of the rows (data.self_prompt_steered) is steered: it starts
+from an opener, the first few words of a request of some kind ("Write a Python function that", "Solve for x:"; the
+bundled prompts/openers.txt or a file of the user's), and the target writes the rest itself.
 
   chat template on a sentinel user message -> the "pre-query" prefix: the template's tokens before the content
+    -> per row: nothing, or an opener (a kind uniformly, then an opener of that kind): pick_openers
     -> sampled continuations in batches (temperature, stop at the end-of-turn token), one function: sample_user_turns
     -> filtered: empty, truncated (no end of turn within max_new_tokens), too short, non-printable, special tokens
        inside, duplicates (normalised text, also of the prompts already in the file)
-    -> {"id": "self_<n>", "messages": [{"role": "user", "content": ...}], "batch": j} JSONL, flushed per batch
+    -> {"id": "self_<n>", "messages": [{"role": "user", "content": opener + continuation}], "batch": j} JSONL,
+       flushed per batch; with steering also "kind" (the opener's, or "free" for a row from the bare prefix)
 
-Reproducible per seed: batch j samples with its own generator seeded from (seed, j), and prompts are kept in batch
-order, so the first k prompts of a file do not depend on how many were asked for or where a run was resumed.
+Reproducible per seed: batch j picks its openers and samples with its own generator seeded from (seed, j), and
+prompts are kept in batch order, so the first k prompts of a file do not depend on how many were asked for or where
+a run was resumed.
 Resumable: a rerun drops the records of the file's last batch (a crash may have cut them) and samples again from
 that batch on. A side file `<out>.meta.json` records the settings (the batch size too: it changes what a batch
-draws); a file written with other settings is never silently extended.
+draws; the openers by their sha1); a file written with other settings is never silently extended.
 
 data.self_prompts (generation/run_data.py, answer_self_prompts) then has the target answer the prompts like any other
 conversation, into a file of their own that training mixes with the regenerated source (data.mix).
@@ -48,6 +54,8 @@ TEMPERATURE = 1.0     # data.self_prompts samples at this temperature (Magpie sa
 MIN_CHARS = 8         # a kept prompt has at least this many characters (stripped)
 MAX_SAMPLED = 4       # sampling gives up after MAX_SAMPLED x the wanted number of rows (a target that writes few
                       # usable prompts must not sample forever)
+OPENERS_PATH = Path(__file__).resolve().parent.parent / "prompts" / "openers.txt"  # data.self_prompt_openers=builtin
+FREE = "free"         # the kind recorded for a row sampled from the bare prefix
 
 
 @dataclass
@@ -56,6 +64,7 @@ class UserTurnTemplate:
     prefix_ids: list[int]  # the template's tokens before the user's content: what sampling continues from
     prefix_text: str       # the template's text before the content (prefix_ids decode to it, up to whitespace)
     end_id: int            # the special token that closes a user turn (e.g. <|im_end|>, <|eot_id|>)
+    gap: str               # the prefix's trailing whitespace that prefix_ids leave to the content's first token
 
 
 @dataclass
@@ -67,6 +76,20 @@ class SelfPromptSettings:
     max_new_tokens: int
     temperature: float = TEMPERATURE
     min_chars: int = MIN_CHARS
+    openers: dict[str, list[str]] = field(default_factory=dict)  # kind -> openers (read_openers); {} = plain Magpie
+    steered: float = 0.0   # the share of rows that start from an opener
+
+    @property
+    def steering(self) -> bool:
+        return bool(self.openers) and self.steered > 0
+
+    def record(self) -> dict:
+        """The meta.json form: the openers by their sha1; without steering, plain Magpie's (it writes the same file)."""
+        d = dataclasses.asdict(self)
+        d.pop("openers")
+        d["steered"] = self.steered if self.steering else 0.0
+        d["openers_sha1"] = hashlib.sha1(json.dumps(self.openers).encode()).hexdigest() if self.steering else "none"
+        return d
 
 
 @dataclass
@@ -75,11 +98,14 @@ class SelfPromptStats:
     written: int = 0       # by this call
     sampled: int = 0       # rows sampled by this call
     dropped: Counter = field(default_factory=Counter)  # reason -> rows
+    kinds: Counter = field(default_factory=Counter)    # kind -> rows written (with steering only)
 
     def line(self) -> str:
         dropped = ", ".join(f"{k}={n}" for k, n in sorted(self.dropped.items())) or "none"
+        kinds = ", ".join(f"{k}={n}" for k, n in sorted(self.kinds.items()))
         return (f"self-written prompts: {self.written} new from {self.sampled} sampled "
-                f"({self.written / max(self.sampled, 1):.0%} kept; dropped: {dropped}); {self.kept} in the file")
+                f"({self.written / max(self.sampled, 1):.0%} kept; dropped: {dropped})"
+                f"{f'; new by kind: {kinds}' if kinds else ''}; {self.kept} in the file")
 
 
 def _render(tokenizer, content: str) -> str:
@@ -124,20 +150,64 @@ def user_turn_template(tokenizer) -> UserTurnTemplate:
         if a < content_end or (tok not in special and not texts[0][a:b].strip()):
             continue
         if tok in special:
-            return UserTurnTemplate(list(ids[:n]), prefix, int(tok))
+            return UserTurnTemplate(list(ids[:n]), prefix, int(tok), prefix[covered:])
         break
     raise UserError(f"The chat template of {name!r} does not close a user turn with a special token (after the "
                     f"content it writes {suffix[:24]!r}), so a sampled user turn has no end; self-written prompts "
                     "need a template like ChatML, Llama-3's or Qwen's; set data.self_prompts=0.")
 
 
-def sample_user_turns(hf, prefix_ids: list[int], rows: int, max_new_tokens: int, stop_ids, temperature: float,
+def read_openers(spec: str) -> dict[str, list[str]]:
+    """data.self_prompt_openers -> {kind: [opener, ...]} in file order: 'builtin' (OPENERS_PATH), 'none' ({}), or a
+    file of `kind<TAB>opener` lines (blank lines skipped). A file that is not so is one error naming the line."""
+    if spec == "none":
+        return {}
+    path = OPENERS_PATH if spec == "builtin" else Path(spec).expanduser()
+    fix = ("write one `kind<TAB>opener` line per opener (kind a word other than 'free'), or set "
+           "data.self_prompt_openers=builtin")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise UserError(f"The opener file {path} cannot be read ({e.strerror}); {fix}.") from None
+    except UnicodeDecodeError:
+        raise UserError(f"The opener file {path} is not UTF-8 text; {fix}.") from None
+    openers: dict[str, list[str]] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        kind, _, opener = line.partition("\t")
+        if not re.fullmatch(r"\w[\w-]*", kind) or kind == FREE or not opener.strip() or "\t" in opener:
+            raise UserError(f"Line {n} of the opener file {path} reads {line[:40]!r}; {fix}.")
+        openers.setdefault(kind, []).append(opener.strip())
+    if not openers:
+        raise UserError(f"The opener file {path} holds no openers; {fix}.")
+    return openers
+
+
+def pick_openers(openers: dict[str, list[str]], share: float, rows: int,
+                 generator: torch.Generator) -> list[tuple[str, str] | None]:
+    """Each row's (kind, opener), or None for a row from the bare prefix: steered with probability `share`, then a
+    kind uniformly and an opener of that kind uniformly (a kind with many openers gets no more rows than another).
+    Three draws per row from the batch's generator, before its sampling; none without steering, so such a batch
+    samples exactly as plain Magpie."""
+    if not openers or share <= 0:
+        return [None] * rows
+    kinds = list(openers)
+    picks = []
+    for steer, k, i in torch.rand(rows, 3, generator=generator, device=generator.device).tolist():
+        kind = kinds[int(k * len(kinds))]  # k in [0, 1): an index below len(kinds)
+        pool = openers[kind]
+        picks.append((kind, pool[int(i * len(pool))]) if steer < share else None)
+    return picks
+
+
+def sample_user_turns(hf, prompts: list[list[int]], max_new_tokens: int, stop_ids, temperature: float,
                       generator: torch.Generator, pad_id: int = 0, runner=None) -> list[list[int]]:
-    """`rows` sampled continuations of prefix_ids (each ends after its first stop token, kept; a row that reached
-    max_new_tokens first has none). The one place self-prompts are decoded: swap the engine here. runner: a
-    BatchGenerator built for rows x (prefix + max_new_tokens), reused across calls."""
-    runner = runner or BatchGenerator(hf, rows, len(prefix_ids) + max_new_tokens)
-    return runner.generate([prefix_ids] * rows, max_new_tokens, stop_ids, temperature, generator, pad_id)
+    """Sampled continuations of the prompts (prefix ids, plus an opener's; each ends after its first stop token,
+    kept; a row that reached max_new_tokens first has none). The one place self-prompts are decoded: swap the engine
+    here. runner: a BatchGenerator built for rows x (longest prompt + max_new_tokens), reused across calls."""
+    runner = runner or BatchGenerator(hf, len(prompts), max(map(len, prompts)) + max_new_tokens)
+    return runner.generate(prompts, max_new_tokens, stop_ids, temperature, generator, pad_id)
 
 
 def normalised(text: str) -> str:
@@ -168,7 +238,7 @@ def batch_generator(seed: int, batch: int, device) -> torch.Generator:
 
 
 def _check_settings(out_path: Path, settings: SelfPromptSettings, replace: bool) -> None:
-    check_settings_file(out_path, dataclasses.asdict(settings), replace, "self-written prompts",
+    check_settings_file(out_path, settings.record(), replace, "self-written prompts",
                         "use another run.out_dir, delete the file, or pass run.overwrite=true to start over")
 
 
@@ -215,19 +285,28 @@ def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings
     if stats.kept >= count or batch >= last_batch:
         return stats
     device = hf.get_input_embeddings().weight.device
-    runner = BatchGenerator(hf, b, len(tpl.prefix_ids) + settings.max_new_tokens)
+    # the gap first: the opener then tokenizes as the template's content would
+    opener_ids = {(kind, o): tokenizer(tpl.gap + o, add_special_tokens=False)["input_ids"]
+                  for kind, pool in settings.openers.items() for o in pool} if settings.steering else {}
+    longest = max(map(len, opener_ids.values()), default=0)
+    runner = BatchGenerator(hf, b, len(tpl.prefix_ids) + longest + settings.max_new_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     with open(out_path, "a", encoding="utf-8") as f:
         while stats.kept < count and batch < last_batch and not (stop is not None and stop.is_set()):
-            rows = sample_user_turns(hf, tpl.prefix_ids, b, settings.max_new_tokens, sorted(stop_ids),
-                                     settings.temperature, batch_generator(settings.seed, batch, device), pad_id,
-                                     runner)
+            generator = batch_generator(settings.seed, batch, device)
+            picks = pick_openers(settings.openers, settings.steered, b, generator)
+            heads = [opener_ids[p] if p else [] for p in picks]  # the opener's ids of each row
+            rows = sample_user_turns(hf, [tpl.prefix_ids + h for h in heads], settings.max_new_tokens,
+                                     sorted(stop_ids), settings.temperature, generator, pad_id, runner)
             stats.sampled += len(rows)
             lines = []
-            for tokens in rows:
+            for pick, head, tokens in zip(picks, heads, rows):
                 body = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
-                text = tokenizer.decode(body, skip_special_tokens=False).strip()
+                own = tokenizer.decode(body, skip_special_tokens=False).strip()
+                text = tokenizer.decode(head + body, skip_special_tokens=False).strip() if head else own
                 reason = judge(tokens, text, stop_ids, special, settings.min_chars)
+                if reason is None and not own:
+                    reason = "empty"  # the turn ended right after its opener
                 key = normalised(text)
                 if reason is None and key in seen:
                     reason = "duplicate"
@@ -237,8 +316,11 @@ def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings
                     stats.dropped[reason] += 1
                     continue
                 seen.add(key)
-                lines.append(json.dumps({"id": f"self_{stats.kept}", "messages": [{"role": "user", "content": text}],
-                                         "batch": batch}, ensure_ascii=False) + "\n")
+                record = {"id": f"self_{stats.kept}", "messages": [{"role": "user", "content": text}], "batch": batch}
+                if settings.steering:
+                    record["kind"] = pick[0] if pick else FREE
+                    stats.kinds[record["kind"]] += 1
+                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
                 stats.kept += 1
                 stats.written += 1
             f.write("".join(lines))
