@@ -78,6 +78,7 @@ class CompileWarmup:
         """Wait up to timeout_s for the child; True when it compiled and exited cleanly. Past the timeout it is
         stopped (the run then compiles what the cache lacks itself). The scratch directory is removed."""
         waited = time.monotonic()
+        early = self.proc.poll() is not None  # it ended while the regeneration ran
         try:
             rc = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -88,8 +89,9 @@ class CompileWarmup:
         finally:
             shutil.rmtree(self.scratch, ignore_errors=True)
         if rc == 0:
-            log.info(f"compile warm-up: done in {time.monotonic() - self.t0:.0f} s (waited "
-                     f"{time.monotonic() - waited:.0f} s for it after the regeneration)")
+            when = ("before the regeneration ended" if early else
+                    f"{time.monotonic() - waited:.0f} s after the regeneration ended")
+            log.info(f"compile warm-up: done {when}")
             return True
         if rc is not None:
             tail = "\n".join(self._tail())
