@@ -530,3 +530,25 @@ def test_a_share_that_rounds_to_nothing_is_said_and_its_held_out_side_kept(tmp_p
     assert Counter(origins(byte_tok, split.train)) == {"big": 20}
     assert "gets no training conversations" in caplog.text
     assert "small" in origins(byte_tok, split.heldout)
+
+
+def test_a_mix_interleaves_its_held_out_sources_so_validation_sees_each(tmp_path, byte_tok):
+    """Validation packs its rows from the front of the held-out list: the first rows must hold every source."""
+    from dflash_train.config import DataConfig
+    from dflash_train.data.dataset import interleave, load_dataset
+
+    assert interleave([[1, 2, 3, 4], ["a", "b"]]) == [1, "a", 2, 3, "b", 4]
+    assert interleave([[], [1, 2]]) == [1, 2] and interleave([]) == []
+    a, b = write_source(tmp_path / "a.jsonl", "alpha", 60), write_source(tmp_path / "b.jsonl", "beta", 30)
+    split = load_dataset(DataConfig(mix=[a, b], heldout_fraction=0.3), byte_tok, cache_dir="")
+    names = origins(byte_tok, split.heldout)
+    assert Counter(names)["alpha"] > 0 and Counter(names)["beta"] > 0
+    half = len(names) // 2
+    assert "beta" in names[:half] and "alpha" in names[half:]  # spread over the list, not one source then the other
+    alone = {n: load_dataset(DataConfig(source=p, heldout_fraction=0.3), byte_tok, cache_dir="").heldout
+             for n, p in (("alpha", a), ("beta", b))}
+    for n in ("alpha", "beta"):  # each source's held-out conversations, in their own order
+        assert [s.input_ids for s, o in zip(split.heldout, names) if o == n] == [s.input_ids for s in alone[n]]
+    assert len(split.heldout_messages) == len(split.heldout)
+    for sample, messages in zip(split.heldout, split.heldout_messages):  # still paired after the interleave
+        assert messages[0]["content"] in byte_tok.decode(sample.input_ids)

@@ -68,15 +68,13 @@ def load_mix(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str | None = 
     # Weights: data.max_samples in all, small sources repeated. No weights: at most data.max_samples, never repeated.
     n_total = sum(sizes) if total is None else total if weighted else min(total, sum(sizes))
     counts = mix_counts(weights, n_total)
-    train, heldout, heldout_messages, per_source = [], [], [], []
+    train, per_source = [], []
     for (source, _), split, n in zip(entries, splits, counts):
         if n == 0 and n_total >= len(entries):  # (a total below one per source, e.g. held-out-only loads, is meant)
             log.warning(f"data.mix: {source!r} gets no training conversations (its share of {n_total} rounds to 0)")
         chosen = repeat_to(split.train, n)
         unique = split.train[:n]  # every distinct conversation the run sees
         train += chosen
-        heldout += split.heldout
-        heldout_messages += split.heldout_messages
         row = {"source": source, "conversations": n, "available": len(split.train),
                "unique_tokens": sum(len(s.input_ids) for s in unique), "share": n / max(n_total, 1),
                "heldout": len(split.heldout)}
@@ -85,6 +83,18 @@ def load_mix(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str | None = 
                else f"{n:,} of {len(split.train):,} available" if n < len(split.train) else "each once")
         log.info(f"data.mix: {source}: {n:,} training conversations ({use}), {row['unique_tokens']:,} unique "
                  f"tokens, share {row['share']:.1%}, {len(split.heldout)} held out")
+    # Validation packs its rows from the front of the held-out list: interleaved, its first rows hold every source
+    # in proportion, not only the first source's conversations.
+    pairs = interleave([list(zip(s.heldout, s.heldout_messages or [None] * len(s.heldout))) for s in splits])
+    heldout = [h for h, _ in pairs]
+    heldout_messages = [m for _, m in pairs] if all(s.heldout_messages or not s.heldout for s in splits) else []
     stats = {"source": "mix", "sources": per_source, "train": len(train), "heldout": len(heldout),
              "unique_tokens": sum(r["unique_tokens"] for r in per_source)}
     return DatasetSplit(train=train, heldout=heldout, heldout_messages=heldout_messages, stats=stats)
+
+
+def interleave(lists: list[list]) -> list:
+    """Every item of every list, each list's items in their order and spread evenly over the result (item i of a
+    list of n sits at (i + 0.5) / n of the way; ties go to the earlier list)."""
+    keyed = [((i + 0.5) / len(items), k, item) for k, items in enumerate(lists) for i, item in enumerate(items)]
+    return [item for _, _, item in sorted(keyed, key=lambda e: (e[0], e[1]))]
