@@ -550,5 +550,6 @@ def test_a_mix_interleaves_its_held_out_sources_so_validation_sees_each(tmp_path
     for n in ("alpha", "beta"):  # each source's held-out conversations, in their own order
         assert [s.input_ids for s, o in zip(split.heldout, names) if o == n] == [s.input_ids for s in alone[n]]
     assert len(split.heldout_messages) == len(split.heldout)
+    assert [{"alpha": "a", "beta": "b"}[n] for n in names] == split.heldout_sources  # validation's by-source labels
     for sample, messages in zip(split.heldout, split.heldout_messages):  # still paired after the interleave
         assert messages[0]["content"] in byte_tok.decode(sample.input_ids)

@@ -91,7 +91,7 @@ def test_validation_metrics_equal_a_direct_computation(tiny_llama, tmp_path):
     torch.testing.assert_close(got["acc"], want["acc"])
     assert got["tau_decoding"] == pytest.approx(sum(taus) / len(taus))
     # The blocks are fixed: the same rows and anchors every time they are built.
-    _, again, _ = validation_rows(data.heldout, cfg.train.token_budget, cfg.train.num_anchors, 3)
+    _, again, _, _ = validation_rows(data.heldout, cfg.train.token_budget, cfg.train.num_anchors, 3)
     assert all(torch.equal(a.anchors, b.anchors.cpu()) for a, b in zip(again, rows.batches))
 
 
@@ -281,3 +281,35 @@ def test_a_best_step_with_a_checkpoint_survives_rotation(tiny_llama, tmp_path):
     kept = {d.name for d in ckpt.step_dirs()}
     assert best["name"] in kept and "step_00000012" in kept
 
+
+
+def test_decoding_tau_by_source_groups_the_same_walks(tiny_llama, tmp_path):
+    """Each held-out document keeps its source through packing; the per-source taus regroup the overall walk."""
+    from dflash_train.training.validation import decoding_walks
+
+    cfg = tiny_cfg(tiny_llama, tmp_path, "train.eval_rows=3")
+    data = load_dataset(cfg.data, None, seed=cfg.train.seed)
+    sources = [f"first{s.input_ids[0] % 3}" for s in data.heldout]  # a label each document's own tokens tell
+    torch.manual_seed(0)
+    drafter = build_drafter(cfg.model, target_config_info(tiny_llama)).float()
+    target = load_target(tiny_llama, drafter.config.target_layer_ids)
+    rows = build_validation_rows(data.heldout, cfg, target, torch.device("cpu"), sources=sources)
+    for row, labels in zip(rows.rows, rows.doc_sources):  # document d's label is its own first token's
+        for d, label in enumerate(labels):
+            first = int(row.input_ids[(row.doc_ids == d).nonzero()[0, 0]])
+            assert label == f"first{first % 3}"
+    step = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, resolve_config(cfg).train,
+                       torch.device("cpu"))
+    got = evaluate_rows(step, rows)
+    accept = [torch.zeros(r.input_ids.shape[0], dtype=torch.long) for r in rows.rows]
+    with torch.no_grad():
+        for b, r in zip(rows.batches, rows.row_of):
+            accept[r][b.anchors[b.anchor_valid]] = step.evaluate(b, rows.feats[r])["accept_len"][b.anchor_valid].long()
+    groups: dict[str, list[float]] = {}
+    for r, row in enumerate(rows.rows):
+        for doc, tau in decoding_walks(row.loss_mask, row.doc_ids, accept[r]):
+            groups.setdefault(rows.doc_sources[r][doc], []).append(tau)
+    assert len(groups) > 1
+    assert got["tau_decoding_by_source"] == pytest.approx({k: sum(v) / len(v) for k, v in groups.items()})
+    every = [t for v in groups.values() for t in v]
+    assert got["tau_decoding"] == pytest.approx(sum(every) / len(every))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 from ..config import DataConfig
 from .conversations import load_chat_dataset
@@ -85,12 +86,16 @@ def load_mix(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str | None = 
                  f"tokens, share {row['share']:.1%}, {len(split.heldout)} held out")
     # Validation packs its rows from the front of the held-out list: interleaved, its first rows hold every source
     # in proportion, not only the first source's conversations.
-    pairs = interleave([list(zip(s.heldout, s.heldout_messages or [None] * len(s.heldout))) for s in splits])
-    heldout = [h for h, _ in pairs]
-    heldout_messages = [m for _, m in pairs] if all(s.heldout_messages or not s.heldout for s in splits) else []
+    names = [row["source"] for row in per_source]
+    held = interleave([[(h, m, name) for h, m in zip(s.heldout, s.heldout_messages or [None] * len(s.heldout))]
+                       for s, name in zip(splits, names)])
+    heldout = [h for h, _, _ in held]
+    heldout_messages = [m for _, m, _ in held] if all(s.heldout_messages or not s.heldout for s in splits) else []
+    heldout_sources = [Path(name).stem for _, _, name in held]
     stats = {"source": "mix", "sources": per_source, "train": len(train), "heldout": len(heldout),
              "unique_tokens": sum(r["unique_tokens"] for r in per_source)}
-    return DatasetSplit(train=train, heldout=heldout, heldout_messages=heldout_messages, stats=stats)
+    return DatasetSplit(train=train, heldout=heldout, heldout_messages=heldout_messages, stats=stats,
+                        heldout_sources=heldout_sources)
 
 
 def interleave(lists: list[list]) -> list:

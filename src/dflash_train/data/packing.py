@@ -57,6 +57,8 @@ class DatasetSplit:
     # held-out conversations as chat messages (prompts for evaluation); empty for the synthetic source
     heldout_messages: list[list[dict]] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    # a data.mix's held-out conversations: the source each came from (its file's stem), for validation by source
+    heldout_sources: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -118,12 +118,17 @@ class MetricsLogger:
                 f"acc@4 {acc[min(3, len(acc) - 1)]:.3f} | tau~ {rec['tau_est']:.2f}")
         if "tau_decoding" in rec:  # training/validation.py: decoding's walk over the held-out replies
             line += f" | tau as decoded {rec['tau_decoding']:.2f}"
+        if "tau_decoding_by_source" in rec:
+            line += " (" + ", ".join(f"{k} {v:.2f}" for k, v in rec["tau_decoding_by_source"].items()) + ")"
         if "best_step" in rec:
             line += f" | best {rec['best_tau_decoding']:.2f} at step {rec['best_step']}"
         log.info(line)
         self.val_history.append(rec)
         self._write(rec)
         self._scalars("val", "val_acc", rec, ("loss", "tau_est", "tau_decoding"))
+        if self._tb:
+            for source, tau in rec.get("tau_decoding_by_source", {}).items():
+                self._tb.add_scalar(f"val_by_source/{source}", tau, step)
         return rec
 
     def _scalars(self, group: str, acc_group: str, rec: dict, keys: tuple[str, ...]) -> None:

@@ -29,7 +29,8 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,18 +55,25 @@ class ValidationRows:
     feats: list[torch.Tensor]       # [T, k*H] per row: the target's features, same device
     documents: int                  # held-out conversations the rows hold
     tokens: int                     # real (non-padding) tokens in the rows
+    doc_sources: list[list[str]] = field(default_factory=list)  # per row, each document's source (a data.mix)
 
 
-def validation_rows(heldout: list[Sample], token_budget: int, num_anchors: int,
-                    max_rows: int, pad_id: int = 0) -> tuple[list[PackedRow], list[TrainBatch], list[int]]:
+def validation_rows(heldout: list[Sample], token_budget: int, num_anchors: int, max_rows: int, pad_id: int = 0,
+                    sources: list[str] | None = None):
     """Up to max_rows rows of held-out samples, packed in order like training rows, and batches that hold every
     valid anchor of each row in order, num_anchors per batch (the last one padded with invalid anchors). Rows
-    without any valid anchor (nothing supervised) are skipped."""
-    rows, batches, row_of = [], [], []
+    without any valid anchor (nothing supervised) are skipped. -> (rows, batches, row_of, doc_sources): with
+    `sources` (one per sample), each kept row's documents' sources, by document id; else []."""
+    labels = [src for sample, src in zip(heldout, sources or []) if sample.input_ids]  # packing skips empty ones
+    rows, batches, row_of, doc_sources, used = [], [], [], [], 0
     for row in pack_samples(heldout, token_budget, pad_id):
+        n_docs = int(row.doc_ids.max()) + 1
+        row_sources, used = labels[used:used + n_docs], used + n_docs  # packing keeps the samples' order
         anchors = valid_anchor_positions(row.loss_mask, row.doc_ids).nonzero().flatten()
         if anchors.numel() == 0:
             continue
+        if labels:
+            doc_sources.append(row_sources)
         for s in range(0, anchors.numel(), num_anchors):
             chunk = anchors[s:s + num_anchors]
             a = torch.zeros(num_anchors, dtype=torch.long)
@@ -77,20 +85,22 @@ def validation_rows(heldout: list[Sample], token_budget: int, num_anchors: int,
         rows.append(row)
         if len(rows) >= max_rows:
             break
-    return rows, batches, row_of
+    return rows, batches, row_of, doc_sources
 
 
 @torch.no_grad()
 def build_validation_rows(heldout: list[Sample], cfg, target, device: torch.device, pad_id: int = 0,
-                          features=None) -> ValidationRows | None:
+                          features=None, sources: list[str] | None = None) -> ValidationRows | None:
     """The run's fixed validation rows with their target features, on `device`; None (and a log line saying why)
     when validation is off or there is nothing held out. `features(ids, pos, doc) -> [T, k*H]` defaults to
-    target.features on the target's device."""
+    target.features on the target's device. sources: each held-out sample's source (DatasetSplit.heldout_sources),
+    for decoding's tau by source."""
     t = cfg.train
     if t.eval_every <= 0 or t.eval_rows <= 0:
         log.info("validation: off (train.eval_every or train.eval_rows is 0)")
         return None
-    rows, batches, row_of = validation_rows(heldout, t.token_budget, t.num_anchors, t.eval_rows, pad_id)
+    rows, batches, row_of, doc_sources = validation_rows(heldout, t.token_budget, t.num_anchors, t.eval_rows, pad_id,
+                                                         sources)
     if not rows:
         log.warning("validation: off, the run has no held-out conversations (raise data.heldout_fraction to "
                     "see how the drafter does on data it never trains on)")
@@ -103,19 +113,27 @@ def build_validation_rows(heldout: list[Sample], cfg, target, device: torch.devi
     docs = sum(int(r.doc_ids.max()) + 1 for r in rows)
     tokens = sum(int((r.doc_ids >= 0).sum()) for r in rows)
     anchors = sum(int(b.anchor_valid.sum()) for b in batches)
-    log.info(f"validation: {len(rows)} held-out rows ({docs} conversations, {tokens:,} tokens, every one of their "
+    mix = Counter(src for row in doc_sources for src in row)
+    held = f"{docs} conversations" + (f": {', '.join(f'{k} {n}' for k, n in sorted(mix.items()))}" if mix else "")
+    log.info(f"validation: {len(rows)} held-out rows ({held}, {tokens:,} tokens, every one of their "
              f"{anchors:,} anchors: {len(batches)} forward passes) every {t.eval_every} steps and at the end; "
              f"~{len(batches) / (3 * t.eval_every):.1%} of the training compute")
     move = lambda x: x.to(device)  # noqa: E731
     rows = [PackedRow(*map(move, (r.input_ids, r.position_ids, r.doc_ids, r.loss_mask))) for r in rows]
-    return ValidationRows(rows, [b.to(device) for b in batches], row_of, feats, docs, tokens)
+    return ValidationRows(rows, [b.to(device) for b in batches], row_of, feats, docs, tokens, doc_sources)
 
 
 def decoding_tau(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch.Tensor) -> list[float]:
-    """Per assistant reply of one row: the mean acceptance length of decoding's walk over it. accept [T] (CPU, long):
-    what decoding accepts from an anchor at each position (0 where no block can start). A reply's walk starts at its
-    first token (the target's first generated token: the first block's anchor) and jumps by what each block
-    accepted, until it reaches a position where no block starts (the reply's last token, or past it)."""
+    """Per assistant reply of one row: the mean acceptance length of decoding's walk over it (decoding_walks)."""
+    return [tau for _, tau in decoding_walks(loss_mask, doc_ids, accept)]
+
+
+def decoding_walks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch.Tensor) -> list[tuple[int, float]]:
+    """Per assistant reply of one row: (its document id, the mean acceptance length of decoding's walk over it).
+    accept [T] (CPU, long): what decoding accepts from an anchor at each position (0 where no block can start). A
+    reply's walk starts at its first token (the target's first generated token: the first block's anchor) and jumps
+    by what each block accepted, until it reaches a position where no block starts (the reply's last token, or past
+    it)."""
     T = loss_mask.shape[0]
     mask, docs, acc = loss_mask.tolist(), doc_ids.tolist(), accept.tolist()
     taus = []
@@ -127,7 +145,7 @@ def decoding_tau(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch.T
             steps.append(acc[a])
             a += acc[a]
         if steps:
-            taus.append(sum(steps) / len(steps))
+            taus.append((docs[p], sum(steps) / len(steps)))
     return taus
 
 
@@ -142,9 +160,17 @@ def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor | flo
         ok = batch.anchor_valid.cpu()
         accept[r][batch.anchors.cpu()[ok]] = out["accept_len"].cpu()[ok].long()  # .cpu(): a host sync, here only
     metrics = window.take()
-    taus = [t for row, acc in zip(rows.rows, accept) for t in decoding_tau(row.loss_mask.cpu(), row.doc_ids.cpu(), acc)]
-    metrics["tau_decoding"] = sum(taus) / len(taus) if taus else float("nan")
+    walks = [(rows.doc_sources[i][doc] if rows.doc_sources else "", tau) for i, (row, acc) in
+             enumerate(zip(rows.rows, accept)) for doc, tau in decoding_walks(row.loss_mask.cpu(), row.doc_ids.cpu(), acc)]
+    metrics["tau_decoding"] = _mean([tau for _, tau in walks])
+    if len({src for src, _ in walks}) > 1:  # a mix: the same walk, averaged per source
+        metrics["tau_decoding_by_source"] = {src: _mean([t for s2, t in walks if s2 == src])
+                                             for src in sorted({src for src, _ in walks})}
     return metrics
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 class Validator:
@@ -185,6 +211,7 @@ class Validator:
         t0 = time.perf_counter()
         metrics = evaluate_rows(step_fn, self.rows)
         tau = float(metrics.pop("tau_decoding"))
+        by_source = metrics.pop("tau_decoding_by_source", None)
         improved = self.best is None or tau > self.best["value"]
         if improved:
             self._save_best(step, tau, drafter)
@@ -192,7 +219,8 @@ class Validator:
         rec = self.logger.log_val(step, metrics, {"tau_decoding": tau, "best_step": self.best["step"],
                                                   "best_tau_decoding": self.best["value"],
                                                   "val_seconds": time.perf_counter() - t0,
-                                                  "train_tau_est": train_tau})
+                                                  "train_tau_est": train_tau,
+                                                  **({"tau_decoding_by_source": by_source} if by_source else {})})
         self.history.append(rec)
         self._check_memorising()
         return rec
