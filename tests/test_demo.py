@@ -348,3 +348,18 @@ def test_embedded_target_conversion_is_exact_and_regenerates(tmp_path, smollm2_d
     # one batch of 2 rows decodes until its longer reply ends: at most 2 x 24 steps, at least what was generated
     assert stats.generated_tokens <= stats.row_steps <= 2 * 24 and 0 < stats.row_use() <= 1
     assert all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"] for r in recs)
+
+
+def test_the_demo_table_gives_validation_by_source_when_the_best_step_has_it(tmp_path):
+    from dflash_train.demo import DemoResult
+
+    ev = {"yardstick (another source)": {"num_prompts": 2, "new_tokens": 8, "mean_tau": 1.5, "speedup": 1.1,
+                                         "block_size": 4, "lossless": True, "identical_prompts": 2,
+                                         "tie_prompts": 0, "wrong_prompts": 0}}
+    best = {"metric": "val_tau_decoding", "step": 10, "value": 2.5, "by_source": {"regenerated": 2.25,
+                                                                                  "self_regenerated": 2.75}}
+    d = DemoResult(tmp_path, "cuda:0", ev, 12, 128, 60.0, 3.0, best, {}, None,
+                   {"setup": 1, "regenerate": 0, "train": 60, "evaluate": 5}, 70.0)
+    assert "validation 2.50 (regenerated 2.25, self_regenerated 2.75, decoding's walk" in d.table()
+    del best["by_source"]
+    assert "validation 2.50 (decoding's walk" in d.table()

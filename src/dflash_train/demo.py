@@ -248,7 +248,8 @@ def format_demo_table(d: DemoResult) -> str:
     lines += [f"  {r[0]:<{w[0]}}  {r[1]:>{w[1]}}  {r[2]:>{w[2]}}  {r[3]}" for r in rows]
     est = [f"training {_fmt(d.tau_est, '.2f')} (on its own rows)"]
     if d.best:
-        est.insert(0, f"validation {d.best['value']:.2f} (decoding's walk over held-out replies, best step "
+        sources = "".join(f"{k} {v:.2f}, " for k, v in d.best.get("by_source", {}).items())
+        est.insert(0, f"validation {d.best['value']:.2f} ({sources}decoding's walk over held-out replies, best step "
                       f"{d.best['step']:,} of {d.steps:,}: the drafter measured above)")
     lines.append("  tau estimates: " + "; ".join(est))
     data = d.data or {}

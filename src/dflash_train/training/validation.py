@@ -214,7 +214,7 @@ class Validator:
         by_source = metrics.pop("tau_decoding_by_source", None)
         improved = self.best is None or tau > self.best["value"]
         if improved:
-            self._save_best(step, tau, drafter)
+            self._save_best(step, tau, drafter, by_source)
         self.seconds += time.perf_counter() - t0
         rec = self.logger.log_val(step, metrics, {"tau_decoding": tau, "best_step": self.best["step"],
                                                   "best_tau_decoding": self.best["value"],
@@ -236,7 +236,7 @@ class Validator:
         except (ValueError, KeyError, TypeError):
             return None
 
-    def _save_best(self, step: int, value: float, drafter) -> None:
+    def _save_best(self, step: int, value: float, drafter, by_source: dict | None = None) -> None:
         """drafter_best/ replaced whole (written beside it, then renamed), best.json after it: a crash never pairs a
         best.json with other weights than the ones it names."""
         final, tmp = self.out_dir / BEST_DIR, self.out_dir / f".{BEST_DIR}.tmp"
@@ -249,6 +249,8 @@ class Validator:
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
         self.best = {"metric": BEST_METRIC, "step": step, "value": value}
+        if by_source:
+            self.best["by_source"] = by_source  # decoding's walk per source at that step (a data.mix)
         tmp_json = self.out_dir / f".{BEST_FILE}.tmp"
         tmp_json.write_text(json.dumps(self.best) + "\n")
         os.replace(tmp_json, self.out_dir / BEST_FILE)
