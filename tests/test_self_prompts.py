@@ -553,3 +553,19 @@ def test_a_mix_interleaves_its_held_out_sources_so_validation_sees_each(tmp_path
     assert [{"alpha": "a", "beta": "b"}[n] for n in names] == split.heldout_sources  # validation's by-source labels
     for sample, messages in zip(split.heldout, split.heldout_messages):  # still paired after the interleave
         assert messages[0]["content"] in byte_tok.decode(sample.input_ids)
+
+
+def test_no_bundled_opener_begins_a_yardstick_prompt():
+    """The yardstick measures prompts of another source: an opener of three or more words that begins one of its
+    prompts would steer the training data toward it."""
+    from dflash_train.generation.self_prompts import read_openers
+
+    openers = [o.casefold() for pool in read_openers("builtin").values() for o in pool if len(o.split()) >= 3]
+    assert openers
+    prompts = [p.casefold() for p in _yardstick_texts()]
+    assert not [(o, p) for o in openers for p in prompts if p.startswith(o)]
+
+
+def _yardstick_texts() -> list[str]:
+    path = Path(__file__).resolve().parent.parent / "src" / "dflash_train" / "prompts" / "yardstick.jsonl"
+    return [json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines() if line.strip()]
