@@ -1,7 +1,7 @@
 """Prompts the target writes itself (the technique published as Magpie, arXiv 2406.08464): a chat model given its
 template's user-turn header and no content writes a user turn of the kind it was trained to answer. A small chat
 model left alone writes mostly casual chat, so a share of the rows (data.self_prompt_steered) is steered: it starts
-from an opener, the first few words of a request of some kind ("Write a Python function that", "Solve for x:"; the
+from an opener, the first few words of a request of some kind ("Write a Python script that", "Solve the inequality"; the
 bundled prompts/openers.txt or a file of the user's), and the target writes the rest itself.
 
   chat template on a sentinel user message -> the "pre-query" prefix: the template's tokens before the content
