@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 
@@ -34,6 +35,48 @@ def test_epochs_packed_ahead_give_the_batches_of_packing_in_place():
     it = iter(schedule.iter_from(0))
     next(it)
     it.close()  # the loader stopping mid-epoch: closing waits for the epoch being packed, then no thread is left
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("dflash-pack")]
+
+
+def test_a_wait_for_an_epoch_being_packed_calls_back_and_can_stop(monkeypatch):
+    """The loader beats while an epoch is packed (a slow pack on a busy machine is not a stalled loader) and stops
+    from inside that wait; the batches do not change."""
+    from dflash_train.data import packing
+    from dflash_train.data.packing import BatchSchedule
+    from dflash_train.data.synthetic import synthetic_samples
+
+    samples = synthetic_samples(50, period=8, seed=0, max_len=96)
+    schedule = BatchSchedule(samples, 256, 16, seed=3, max_batches=70)
+    want = [b.index for b in schedule.iter_from(0)]
+    packed = threading.Event()
+    slow_epoch = schedule._epoch
+
+    def gated_epoch(epoch):
+        packed.wait()  # held until the consumer has waited once
+        return slow_epoch(epoch)
+
+    monkeypatch.setattr(schedule, "_epoch", gated_epoch)
+    calls = []
+
+    def waiting():
+        calls.append(1)
+        packed.set()
+
+    assert [b.index for b in schedule.iter_from(0, waiting=waiting)] == want
+    assert calls  # called while epoch 0 was held back
+
+    class Stop(Exception):
+        pass
+
+    packed.clear()
+    monkeypatch.setattr(packing, "PACK_POLL_S", 0.01)
+
+    def stop():
+        packed.set()
+        raise Stop
+
+    with pytest.raises(Stop):
+        next(iter(schedule.iter_from(0, waiting=stop)))
     assert not [t.name for t in threading.enumerate() if t.name.startswith("dflash-pack")]
 
 

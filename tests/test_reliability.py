@@ -464,3 +464,45 @@ def test_out_dir_of_a_different_run_is_one_error_line(tiny_llama, tmp_path, caps
     assert _train_cli(capsys, run, f"model.target={tiny_llama}", "train.max_steps=2")[0] == 0
     code, err = _train_cli(capsys, run, f"model.target={tiny_llama}", "train.max_steps=2", "train.lr=1e-4")
     _assert_one_error_line(code, err, "already holds a different run", "run.overwrite=true")
+
+
+def test_a_worker_inside_its_polling_wait_is_late_not_stuck():
+    """Stall detection names a worker whose heartbeat is stale; one found inside its own polling wait (a queue it
+    polls) was only not scheduled on a machine busier than the run, so the supervisor passes it over. A worker
+    stuck in its own code, or in a fault fired from inside a wait, is not in a polling wait."""
+    import queue
+    import threading
+
+    from dflash_train.pipeline.worker import RunControl, Worker
+
+    inbox, release = queue.Queue(), threading.Event()
+
+    class Poller(Worker):
+        def setup(self):
+            pass
+
+        def loop(self):
+            self.get(inbox)
+
+    class Stuck(Worker):
+        def setup(self):
+            pass
+
+        def loop(self):
+            release.wait()  # its own work, blocked
+
+    control = RunControl()
+    workers = [Poller("poller", control), Stuck("stuck", control)]
+    for w in workers:
+        w.start()
+    try:
+        for _ in range(200):  # until both threads are blocked where they block
+            if workers[0].in_polling_wait() and not workers[1].in_polling_wait() and workers[1].running:
+                break
+            threading.Event().wait(0.01)
+        assert workers[0].in_polling_wait() and not workers[1].in_polling_wait()
+    finally:
+        inbox.put(None)
+        release.set()
+        for w in workers:
+            w.thread.join()

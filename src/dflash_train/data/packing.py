@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import itertools
 import random
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, fields
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 
+PACK_POLL_S = 0.05  # how often a wait for an epoch being packed calls back (BatchSchedule.iter_from)
 
 
 def valid_anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
@@ -180,20 +182,22 @@ class BatchSchedule:
     def __len__(self) -> int:
         return self.max_batches
 
-    def iter_from(self, start: int = 0, keep: Callable[[int], bool] | None = None) -> Iterable[TrainBatch]:
+    def iter_from(self, start: int = 0, keep: Callable[[int], bool] | None = None,
+                  waiting: Callable[[], None] | None = None) -> Iterable[TrainBatch]:
         """Batches `start`, `start + 1`, ...; with `keep`, only those whose index it accepts are built (a process's
         shard of a multi-process run: rows are still packed per epoch, but anchors are sampled for its own only).
 
-        The next epoch is shuffled and packed on a side thread while this one is consumed: packing a whole epoch
-        takes seconds for a large dataset, and done at the boundary it stalled every stage downstream for as long
-        (the queues between the stages hold a few steps). epoch_rows is a pure function of its arguments, so the
-        batches are the same either way."""
+        Every epoch is shuffled and packed on a side thread, the next one while this one is consumed: packing a
+        whole epoch takes seconds for a large dataset, and done at the boundary it stalled every stage downstream
+        for as long (the queues between the stages hold a few steps). epoch_rows is a pure function of its
+        arguments, so the batches are the same either way. waiting: called every PACK_POLL_S while an epoch is
+        still being packed (the loader's heartbeat and stop check: a slow pack is not a stalled loader)."""
         index, epoch = 0, 0
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-pack")
-        ahead = None  # the next epoch's rows, being packed
+        ahead = pool.submit(self._epoch, 0)  # the next epoch's rows, being packed
         try:
             while index < self.max_batches:
-                rows = ahead.result() if ahead is not None else self._epoch(epoch)
+                rows = wait_for_result(ahead, waiting)
                 ahead = pool.submit(self._epoch, epoch + 1) if index + len(rows) < self.max_batches else None
                 if index + len(rows) <= start:  # whole epoch before the resume point: skip without building batches
                     index += len(rows)
@@ -216,3 +220,14 @@ class BatchSchedule:
 
     def __iter__(self):
         return iter(self.iter_from(0))
+
+
+def wait_for_result(future: Future, waiting: Callable[[], None] | None):
+    """future.result(), calling waiting() every PACK_POLL_S until it is done (it may raise to stop waiting)."""
+    if waiting is None:
+        return future.result()
+    while True:
+        try:
+            return future.result(timeout=PACK_POLL_S)
+        except FutureTimeout:
+            waiting()

@@ -244,14 +244,16 @@ class _Pipeline:
 
     def _supervise(self, done) -> bool:
         """Wait until done(); False when the run is stopping (failure, stall or signal). Stall = a started worker
-        whose heartbeat is older than pipeline.stall_timeout_s (waiting workers keep beating)."""
+        whose heartbeat is older than pipeline.stall_timeout_s (waiting workers keep beating; one found inside its
+        polling wait was only not scheduled)."""
         timeout = self.cfg.pipeline.stall_timeout_s
         while not done():
             if self.control.stop.is_set():
                 return False
             self._coordinator_points()
             now = time.monotonic()
-            if stale := [w for w in self.workers if w.running and now - w.last_beat > timeout]:
+            if stale := [w for w in self.workers if w.running and now - w.last_beat > timeout
+                         and not w.in_polling_wait()]:  # a starved poller is late, not stuck
                 w = min(stale, key=lambda w: w.last_beat)  # silent the longest: others may be stuck behind it
                 self.control.fail(w.name, describe_stall(w.name, now - w.last_beat, timeout, w.thread))
                 return False

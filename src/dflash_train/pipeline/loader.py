@@ -75,7 +75,7 @@ class LoaderWorker(Worker):
     def loop(self) -> None:
         keep = self.shard.owns if self.shard is not None else None
         # closing: the packing thread ends with the loader, not whenever a failure's traceback is collected
-        with contextlib.closing(self.schedule.iter_from(self.start_batch, keep)) as batches:
+        with contextlib.closing(self.schedule.iter_from(self.start_batch, keep, waiting=self._check_stop)) as batches:
             for n, batch in enumerate(batches):
                 self.inject("step", n)
                 if self.pin_memory:  # page-locked, so the prefetcher's host->device copies are truly asynchronous

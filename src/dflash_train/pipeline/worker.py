@@ -7,7 +7,9 @@ Threading contract (the coordinator relies on all of it):
   ever blocks forever on a queue whose other end is gone.
 - Any exception is caught on the thread, its full traceback stored, and the whole run is stopped (`control.fail`).
 - The heartbeat (`last_beat`) advances while the worker waits, so a worker whose heartbeat goes stale is stuck in
-  its own work (a hung kernel, a deadlock), not starved by a neighbour: that is what stall detection reports.
+  its own work (a hung kernel, a deadlock), not starved by a neighbour: that is what stall detection reports. A
+  worker found inside one of those polling waits with a stale heartbeat was not scheduled (a machine busier than
+  the run), not stuck: `in_polling_wait` tells the supervisor so.
   The coordinator (the main thread) supervises the workers; a `Watchdog` thread watches the coordinator.
 - Fault-injection points (pipeline/faults.py): `startup` after setup(), `shutdown` after loop() returned, and
   `checkpoint` at every wait while a checkpoint writer holds a write open; stages add their own `step` points.
@@ -17,6 +19,7 @@ Threading contract (the coordinator relies on all of it):
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import sys
@@ -29,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ..data.packing import wait_for_result
 from .devices import stream_scope
 
 log = logging.getLogger("dflash_train")
@@ -229,6 +233,15 @@ class Worker:
     def beat(self) -> None:
         self.last_beat = time.monotonic()
 
+    def in_polling_wait(self) -> bool:
+        """Whether the thread is inside one of the stop-aware waits below, blocked in the queue or lock it polls
+        (the innermost frame outside the standard library is the wait itself). Such a thread beats as soon as it
+        runs again; a fault or a hang inside a wait (a checkpoint fault fires there) has frames of its own."""
+        frame = sys._current_frames().get(self.thread.ident)
+        while frame is not None and frame.f_code.co_filename.startswith(_STDLIB):  # queue.py, threading.py
+            frame = frame.f_back
+        return frame is not None and frame.f_code in _POLLING_WAITS
+
     # ------------------------------------------------------------------ stop-aware waits
     def _check_stop(self) -> None:
         self.beat()
@@ -280,6 +293,11 @@ class Worker:
             self._check_stop()
             cond.wait(POLL_S)
         self.beat()
+
+
+_STDLIB = os.path.dirname(threading.__file__) + os.sep
+_POLLING_WAITS = frozenset(f.__code__ for f in (Worker.get, Worker.put, Worker.acquire, Worker.wait_for,
+                                                wait_for_result))
 
 
 class Watchdog:
