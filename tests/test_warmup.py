@@ -66,7 +66,7 @@ def test_the_run_loads_every_graph_the_warmup_compiled(no_env, tmp_path, caplog)
     from dflash_train.pipeline.coordinator import train_pipeline
 
     caplog.set_level(logging.INFO, logger="dflash_train")
-    cfg = _cfg(tmp_path, "train.compile=default")
+    cfg = _cfg(tmp_path, "train.compile=default", "train.eval_every=0")
     use_compile_cache(cfg)
     with CompileWarmup(cfg, tmp_path / "scratch", tmp_path / "warmup.log") as warmup:
         assert warmup.finish(timeout_s=900), (tmp_path / "warmup.log").read_text()[-3000:]
