@@ -160,8 +160,10 @@ def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor | flo
         ok = batch.anchor_valid.cpu()
         accept[r][batch.anchors.cpu()[ok]] = out["accept_len"].cpu()[ok].long()  # .cpu(): a host sync, here only
     metrics = window.take()
-    walks = [(rows.doc_sources[i][doc] if rows.doc_sources else "", tau) for i, (row, acc) in
-             enumerate(zip(rows.rows, accept)) for doc, tau in decoding_walks(row.loss_mask.cpu(), row.doc_ids.cpu(), acc)]
+    walks = []  # (source, tau) per held-out reply; source "" without a mix
+    for i, (row, acc) in enumerate(zip(rows.rows, accept)):
+        for doc, tau in decoding_walks(row.loss_mask.cpu(), row.doc_ids.cpu(), acc):
+            walks.append((rows.doc_sources[i][doc] if rows.doc_sources else "", tau))
     metrics["tau_decoding"] = _mean([tau for _, tau in walks])
     if len({src for src, _ in walks}) > 1:  # a mix: the same walk, averaged per source
         metrics["tau_decoding_by_source"] = {src: _mean([t for s2, t in walks if s2 == src])

@@ -42,8 +42,8 @@ TAIL_LINES = 12       # of the child's log, quoted when it fails
 
 def warmup_overrides(cfg: Config, scratch: Path) -> list[str]:
     """What the child changes in the run's config: its data (a few source conversations as they are), its length
-    (two steps, then the validation every run ends with), its directories; and the run's compile cache, so that
-    what it compiles lands where the run looks."""
+    (two steps, then the validation every run ends with, when it has any), its directories; and the run's compile
+    cache, so that what it compiles lands where the run looks."""
     return ["data.regenerate=false", "data.self_prompts=0", f"data.max_samples={WARMUP_SAMPLES}",
             f"data.cache_dir={scratch / 'cache'}", "train.max_steps=2", "train.max_minutes=null",
             "train.final_eval_prompts=0", "train.checkpoint_every=0",
@@ -58,11 +58,10 @@ class CompileWarmup:
         self.scratch, self.log_path = Path(scratch), Path(log_path)
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
-        self.t0 = time.monotonic()
         with open(self.log_path, "w", encoding="utf-8") as out:
             # its own process group: finish() can stop it together with any compile workers it started
-            self.proc = subprocess.Popen(self.command(cfg), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(self.command(cfg), stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
         log.info(f"compile warm-up: a child process (pid {self.proc.pid}) compiles the training step while the "
                  f"target regenerates; its log: {self.log_path}")
 
