@@ -191,7 +191,8 @@ class BatchSchedule:
         whole epoch takes seconds for a large dataset, and done at the boundary it stalled every stage downstream
         for as long (the queues between the stages hold a few steps). epoch_rows is a pure function of its
         arguments, so the batches are the same either way. waiting: called every PACK_POLL_S while an epoch is
-        still being packed (the loader's heartbeat and stop check: a slow pack is not a stalled loader)."""
+        still being packed (the loader's heartbeat and stop check: a slow pack is not a stalled loader; packing is
+        finite work over a list, so waiting for it counts as progress)."""
         index, epoch = 0, 0
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-pack")
         ahead = pool.submit(self._epoch, 0)  # the next epoch's rows, being packed
