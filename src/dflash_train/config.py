@@ -77,9 +77,10 @@ class ModelConfig:
                                       "always train.token_budget tokens and the document mask is built inside the "
                                       "forward from the row's document ids, so one compile serves every row; it "
                                       "happens in each target worker at start-up. With model.target_graphs the "
-                                      "compiled forward is captured as one CUDA graph. The default stays eager "
-                                      "until the `target` benchmark measures the compiled pipeline forward faster "
-                                      "than flex + CUDA graph on a GPU. The single-device loop (--single) runs the "
+                                      "compiled forward is captured as one CUDA graph. The GPU demo uses default "
+                                      "(with flex and target_graphs: 1.26x its training throughput on one H200 at "
+                                      "SmolLM2's size, docs/BENCHMARKS.md); the default stays eager until it is "
+                                      "measured at larger targets. The single-device loop (--single) runs the "
                                       "forward eager.")
 
     def __post_init__(self):
