@@ -2,6 +2,8 @@
 """Where the time goes, by kernel: torch.profiler over the SmolLM2-shaped stages that bench.py only times.
 
   PYTHONPATH=src python3 benchmarks/gpu_profile.py generate   # batched decoding (regeneration): prefill and steps
+  PYTHONPATH=src python3 benchmarks/gpu_profile.py engine     # the regeneration engine on chat-like lengths: where
+                                                              # its wall time goes (host vs device), variants
   PYTHONPATH=src python3 benchmarks/gpu_profile.py target     # the training target stage: one 8,192-token row
   PYTHONPATH=src python3 benchmarks/gpu_profile.py drafter    # the drafter training step (v1 and DFlash 2): the
                                                               # demo's bottleneck, at the demo's 8,192 x 1,024 x 16
@@ -15,6 +17,7 @@ this command next to them.
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -79,6 +82,142 @@ def profile_generate() -> None:
     top_kernels(lambda: eager.runner.step(tok, 600), "decode step 512 rows at slot 600")
 
 
+def chat_like_requests(n: int, seed: int, median_prompt: float, sigma: float, max_prompt: int, pool: int):
+    """Requests shaped like the demo's regeneration: log-normal prompt lengths, sorted by length in pools of `pool`
+    (as generation/regenerate.py hands them out), replies that end at 32..256 tokens (a random model never emits a
+    stop token: the reply length is its max_new_tokens), 35% at the 256 cap."""
+    import random
+
+    from dflash_train.generation.engine import Request
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        P = int(min(max_prompt, max(8, rng.lognormvariate(math.log(median_prompt), sigma))))
+        new = 256 if rng.random() < 0.35 else rng.randint(32, 255)
+        out.append(Request(i, [rng.randrange(1, 49152) for _ in range(P)], new))
+    return [r for k in range(0, n, pool) for r in sorted(out[k: k + pool], key=lambda r: len(r.prompt_ids))]
+
+
+def timed_engine(engine_cls):
+    """engine_cls with the host time of its refills (prefill forwards), launches and checks (the wait for the
+    device) added up in .spent, and its prefill forwards counted."""
+    import time as _time
+
+    class Timed(engine_cls):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.spent = dict(refill=0.0, launch=0.0, collect=0.0, prefills=0)
+
+        def _timed(self, name, *a):
+            t = _time.perf_counter()
+            try:
+                return getattr(super(), "_" + name)(*a)
+            finally:
+                self.spent[name] += _time.perf_counter() - t
+
+        def _refill(self, *a):
+            return self._timed("refill", *a)
+
+        def _launch(self, *a):
+            return self._timed("launch", *a)
+
+        def _collect(self, *a):
+            return self._timed("collect", *a)
+
+        def _prefill(self, *a):
+            self.spent["prefills"] += 1
+            return super()._prefill(*a)
+
+    return Timed
+
+
+def profile_engine() -> None:
+    """generation/engine.py as regeneration runs it (2,048 slots, greedy) on chat-like lengths: tokens/s, and
+    where the wall time goes on the host: refills (prefill forwards), step launches, the wait at each check (the
+    device still busy), the rest (on_done, prefetch). Variants side by side in one run, the engine of an earlier
+    commit too when benchmarks/_engine_before.py holds it (`git show REF:src/dflash_train/generation/engine.py`)."""
+    import gc
+    import importlib.util
+    import random
+    import time as _time
+
+    from dflash_train.generation.engine import Engine, EngineStats, Request
+
+    engines = {"now": Engine}
+    before = Path(__file__).with_name("_engine_before.py")
+    if before.is_file():
+        spec = importlib.util.spec_from_file_location("dflash_train.generation._engine_before", before)
+        mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look it up
+        spec.loader.exec_module(mod)
+        engines["before"] = mod.Engine
+    hf = smollm2_llama()
+    workloads = {"sharegpt-like": dict(median_prompt=110, sigma=1.0, max_prompt=1790),
+                 "self-prompt-like": dict(median_prompt=60, sigma=0.4, max_prompt=400)}
+    variants = [("before", dict(batch_size=768)), ("now", dict(batch_size=768)),
+                ("now", dict(batch_size=768, overlap_prefill=True)),
+                ("now", dict(batch_size=1536, overlap_prefill=True))]
+    print("workload | engine | requests | generated | s | tokens/s | row use | kv read/needed | prefill padded/real "
+          "| refill s | launch s | wait s | rest s | prefill fwds | same tokens as the first row")
+    for wname, shape in workloads.items():
+        first = None
+        for which, kw in variants:
+            if which not in engines:
+                continue
+            eng = timed_engine(engines[which])(hf, max_len=2048, **kw)
+            pool = 8 * kw["batch_size"]
+            eng.run(chat_like_requests(512, 1, pool=pool, **shape), lambda r, t: None)  # captures most graphs
+            eng.spent = dict.fromkeys(eng.spent, 0)
+            got = {}
+            st = eng.run(chat_like_requests(3 * 1536, 2, pool=pool, **shape), lambda r, t: got.__setitem__(r.key, t))
+            first = first or got
+            same = sum(got[k] == first[k] for k in got) / len(got)
+            sp = eng.spent
+            rest = st.seconds - sp["refill"] - sp["launch"] - sp["collect"]
+            print(f"{wname} | {which} {kw} | {st.requests} | {st.generated_tokens:,} | {st.seconds:.1f} | "
+                  f"{st.generated_tokens / st.seconds:,.0f} | {st.generated_tokens / max(st.row_steps, 1):.0%} | "
+                  f"{st.kv_slots_read / max(st.kv_slots_needed, 1):.2f} | "
+                  f"{st.prefill_padded / max(st.prefill_tokens, 1):.2f} | {sp['refill']:.1f} | {sp['launch']:.1f} | "
+                  f"{sp['collect']:.1f} | {rest:.1f} | {sp['prefills']} | {same:.1%}", flush=True)
+            eng = None
+            gc.collect()  # the graphs' closures hold the engine and its cache
+            torch.cuda.empty_cache()
+    # One graphed step alone, and one eager prefill forward of a typical refill, by CUDA events.
+    eng = Engine(hf, 768, 2048)
+    eng.finished.fill_(False)
+    for vis in (256, 512, 1024, 2048):
+        step = eng._graphed(768, vis, False)
+        ms = timed(step, 20)
+        kv = 768 * vis * 2 * 30 * 3 * 64 * 2
+        print(f"graphed decode step, 768 rows, {vis} visible slots: {ms:.3f} ms = {768 / ms * 1e3:,.0f} tokens/s; "
+              f"KV read {kv / 1e9:.1f} GB = {kv / ms / 1e9:.2f} TB/s")
+    eng.finished.fill_(True)
+    eager = Engine(hf, 768, 2048, graphs=False)
+    eager.finished.fill_(False)
+    top_kernels(lambda: eager._decode(768, 512, False), "decode step, 768 rows, 512 visible (eager)", rows=12)
+    eager = None
+    eng = None
+    gc.collect()
+    rng = random.Random(0)
+    for which, cls in engines.items():
+        eng = cls(hf, 128, 2048)
+        for n, P in ((32, 128), (32, 512), (128, 256)):
+            reqs = [Request(i, [rng.randrange(49152) for _ in range(P)], 8) for i in range(n)]
+            prefill = (lambda: eng._prefill(list(range(n)), reqs, EngineStats()))
+            ms = timed(prefill, 5)
+            torch.cuda.synchronize()
+            t = _time.perf_counter()
+            prefill()
+            host = (_time.perf_counter() - t) * 1e3
+            torch.cuda.synchronize()
+            print(f"{which}: eager prefill forward, {n} prompts x {P}: {ms:.2f} ms between CUDA events; host "
+                  f"returns after {host:.2f} ms (launch-bound where the two agree)")
+            if (n, P) == (32, 512):
+                top_kernels(prefill, f"{which}: prefill {n} x {P}", rows=8)
+        eng = None
+        gc.collect()
+
+
 def profile_target() -> None:
     import harness
     from cases import build_target, packed_row
@@ -132,4 +271,4 @@ if __name__ == "__main__":
     what = sys.argv[1:] or ["generate", "target", "drafter"]
     with torch.no_grad():
         for w in what:
-            {"generate": profile_generate, "target": profile_target, "drafter": profile_drafter}[w]()
+            {"generate": profile_generate, "engine": profile_engine, "target": profile_target, "drafter": profile_drafter}[w]()

@@ -62,15 +62,16 @@ def cases(hf):
     return prompts, news, refs, stop
 
 
-@pytest.mark.parametrize("batch, window, check", [(1, 128, 8), (3, 8, 3), (5, 4, 1), (16, 16, 8)])
-def test_engine_greedy_equals_one_prompt_at_a_time(hf, cases, batch, window, check):
+@pytest.mark.parametrize("batch, window, check, overlap", [(1, 128, 8, False), (3, 8, 3, False), (5, 4, 1, False),
+                                                             (16, 16, 8, False), (3, 8, 3, True), (5, 4, 1, True)])
+def test_engine_greedy_equals_one_prompt_at_a_time(hf, cases, batch, window, check, overlap):
     """Rows of different lengths ending at different times, refilled mid-batch (batch < requests), windows crossed,
-    more rows than requests; with and without a stop token."""
+    more rows than requests; with and without a stop token; refills queued before or after the steps."""
     prompts, news, refs, stop = cases
-    engine = Engine(hf, batch, 64, stop_ids=[], window=window, check_every=check)
+    engine = Engine(hf, batch, 64, stop_ids=[], window=window, check_every=check, overlap_prefill=overlap)
     got = run_engine(engine, [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))])
     assert [got[i] for i in range(len(prompts))] == refs
-    engine = Engine(hf, batch, 64, stop_ids=[stop], window=window, check_every=check)
+    engine = Engine(hf, batch, 64, stop_ids=[stop], window=window, check_every=check, overlap_prefill=overlap)
     got = run_engine(engine, [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))])
     cut = [r[: r.index(stop) + 1] if stop in r else r for r in refs]
     assert [got[i] for i in range(len(prompts))] == cut
