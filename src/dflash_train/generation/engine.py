@@ -21,13 +21,15 @@ launches the next step; CHECK_EVERY = 8 costs a finished row at most 7 frozen st
 average) and removes 7 of every 8 syncs. The host never needs the rows' positions: it bounds them by prompt + steps
 taken.
 
-Prefill: the refilled rows in batches of similar prompt lengths (right-padded to the batch's longest prompt, at most
-PREFILL_TOKENS padded tokens a forward, eager), each forward writing only its rows' slots 0..P-1 and attending over
-its own prompt (plain causal attention: right padding needs no mask). With overlap_prefill (the default) a check
-queues the next steps of the rows still live first and the refill's prefill behind them, so that the host's launches
-of the eager prefill (tens of ms for a 30-layer model, the same whatever its size) overlap the device's steps; a
-refilled row then joins at the next check. Measured on an H200 (docs/BENCHMARKS.md, "Regeneration engine"): 1.4-1.6x
-the generated tokens/s of refilling before the steps.
+Prefill: the refilled rows in chunks of similar prompt lengths, each one forward of a bucketed shape (rows rounded up
+to a power of two, the padding rows writing to a spare cache row that no step reads; slots rounded up to a power of
+two, at least MIN_PREFILL_SLOTS, right padding; at most PREFILL_TOKENS tokens), one CUDA graph per (rows, slots,
+sampled) on GPU, fed through static inputs. A forward writes only its rows' slots 0..P-1 and attends over its own
+prompt (plain causal attention: right padding needs no mask). Eager, SmolLM2's 30-layer prefill cost the host
+40-55 ms of launches whatever its size (docs/BENCHMARKS.md, "Regeneration engine"); a graph is one launch.
+With overlap_prefill (the default) a check queues the next steps of the rows still live first and the refill's
+prefill behind them, so that the host's work overlaps the device's steps; a refilled row then joins at the next
+check. Measured on an H200 with the eager prefill: 1.4-1.6x the generated tokens/s of refilling before the steps.
 
 Sampling on the device: argmax at temperature 0; otherwise inverse-CDF sampling of softmax(logits / T) with the
 uniform of token i of a request drawn from a counter-based hash of (request seed, i) in torch integer ops, so a
@@ -52,6 +54,7 @@ from ..models.target import TargetInfo
 CHECK_EVERY = 8          # decoding steps between host checks for ended rows (see the module docstring)
 WINDOW = 128             # attention reads the longest live row's slots rounded up to this (one graph per window)
 PREFILL_TOKENS = 1 << 15  # padded prompt tokens per prefill forward (its [n, 1, P, P] mask and activations)
+MIN_PREFILL_SLOTS = 16   # the smallest slot bucket of a prefill forward (prompt lengths round up to a power of two)
 MAX_AUTO_BATCH = 768     # the largest batch measured on real data (docs/dev-log.md section 11: SmolLM2 on an H200)
 CPU_BATCH = 8            # `--batch-size auto` on a CPU
 
@@ -151,6 +154,36 @@ class _PrefillWriter:
         return 0
 
 
+@dataclass
+class _PrefillInputs:
+    """The static inputs of one prefill shape (its CUDA graph reads them): ids [nb, P]; rows, lens, temp, seed,
+    limit [nb]."""
+    ids: torch.Tensor
+    rows: torch.Tensor
+    lens: torch.Tensor
+    temp: torch.Tensor
+    seed: torch.Tensor
+    limit: torch.Tensor
+
+    @classmethod
+    def empty(cls, nb: int, P: int, device: torch.device) -> "_PrefillInputs":
+        def z(*shape, dtype=torch.long):
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return cls(z(nb, P), z(nb), z(nb), z(nb, dtype=torch.float32), z(nb), z(nb))
+
+    def fill(self, device: torch.device, ids: torch.Tensor, **rows: list) -> None:
+        """Copy host values in, queued on the stream from pinned memory on CUDA: a copy from pageable memory would
+        first wait for every step already queued (and undo overlap_prefill)."""
+        pin = device.type == "cuda"
+        for name, host in [("ids", ids)] + [(k, torch.tensor(v, dtype=getattr(self, k).dtype)) for k, v in rows.items()]:
+            getattr(self, name).copy_(host.pin_memory() if pin else host, non_blocking=pin)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
+
+
 class Engine:
     """Continuous batching over `batch_size` rows of `max_len` slots; every request needs prompt + max_new_tokens
     <= max_len. stop_ids end a reply (the stop token is kept). graphs None = CUDA graphs on CUDA devices.
@@ -176,11 +209,14 @@ class Engine:
         info = TargetInfo.from_config(hf.config)
         self.b, self.max_len, self.window, self.check_every = batch_size, max_len, window, check_every
         self.prefill_tokens, self.pad_id, self.overlap_prefill = prefill_tokens, pad_id, overlap_prefill
-        self.cache = RowKVCache(info.num_layers, batch_size, info.num_key_value_heads, max_len, info.head_dim,
+        # One row more than the batch: the spare row, where a prefill's padding rows (up to its row bucket) write.
+        # Decoding steps never reach it (they step rows [0, bucket), bucket <= batch_size).
+        self.spare = batch_size
+        self.cache = RowKVCache(info.num_layers, batch_size + 1, info.num_key_value_heads, max_len, info.head_dim,
                                 emb.dtype, dev)
         self._step_kwarg = cache_kwarg_name(hf)
         self._prefill_kwarg = cache_kwarg_name(self.base)
-        b = batch_size
+        b = batch_size + 1
         # Per-row device state ([b] each; out [b, max_len]). Ended and empty rows have finished = True.
         self.tok = torch.zeros(b, dtype=torch.long, device=dev)       # the token fed next
         self.pos = torch.zeros(b, dtype=torch.long, device=dev)       # its slot (= its position id)
@@ -193,11 +229,13 @@ class Engine:
         self.stop_ids = torch.tensor(sorted({int(t) for t in stop_ids}), dtype=torch.long, device=dev)
         self.kv_idx = torch.arange(max_len, device=dev)
         # Host state per row: the request, its prompt length, its last possible slot, the step it was prefilled at.
+        b = batch_size
         self._req: list[Request | None] = [None] * b
         self._plen, self._cap, self._since = [0] * b, [0] * b, [0] * b
         self._queue: deque[Request] = deque()  # submitted follow-ups
         self._ready: deque[Request] = deque()  # pulled from the run's iterator ahead of need
         self._steps: dict[tuple[int, int, bool], GraphedStep] = {}
+        self._prefills: dict[tuple[int, int, bool], tuple[_PrefillInputs, GraphedStep]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._t = 0  # steps taken by this engine
 
@@ -309,57 +347,71 @@ class Engine:
         # Chunks of similar prompt lengths pad less; the row a request gets does not matter.
         new.sort(key=lambda r: len(r.prompt_ids))
         start = 0
-        while start < len(new):  # chunks of at most prefill_tokens padded tokens (always at least one request)
+        while start < len(new):  # chunks of at most prefill_tokens bucketed tokens (always at least one request)
             end, longest = start + 1, len(new[start].prompt_ids)
-            while end < len(new) and (end + 1 - start) * max(longest, len(new[end].prompt_ids)) <= self.prefill_tokens:
+            while end < len(new) and (_pow2(end + 1 - start) * self._slots(max(longest, len(new[end].prompt_ids)))
+                                      <= self.prefill_tokens):
                 longest = max(longest, len(new[end].prompt_ids))
                 end += 1
             self._prefill(free[start:end], new[start:end], stats)
             start = end
 
+    def _slots(self, prompt_len: int) -> int:
+        """The prefill's slot bucket for prompts of up to prompt_len tokens: a power of two (at least
+        MIN_PREFILL_SLOTS), capped at the cache's max_len."""
+        return min(self.max_len, max(MIN_PREFILL_SLOTS, _pow2(prompt_len)))
+
     def _prefill(self, rows: list[int], reqs: list[Request], stats: EngineStats) -> None:
-        """Right-padded prefill of reqs into rows; sets each row's first token and state."""
-        dev, n = self.device, len(reqs)
-        lens = [len(r.prompt_ids) for r in reqs]
-        P = max(lens)
-        ids = self._upload([r.prompt_ids + [self.pad_id] * (P - len(r.prompt_ids)) for r in reqs])
-        lens_t, rows_t = self._upload(lens), self._upload(rows)                               # [n] each
+        """Prefill reqs into rows and set each row's first token and state: one forward of the (row bucket, slot
+        bucket, sampled) shape, a CUDA graph on GPU, fed through its static inputs (padding rows go to the spare
+        row, right padding to the slot bucket)."""
+        n, lens = len(reqs), [len(r.prompt_ids) for r in reqs]
+        nb, P = _pow2(n), self._slots(max(lens))
+        sampled = any(r.temperature > 0 for r in reqs)
+        key = (nb, P, sampled)
+        inputs = self._prefills[key][0] if key in self._prefills else _PrefillInputs.empty(nb, P, self.device)
+        ids = torch.full((nb, P), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, : lens[i]] = torch.as_tensor(r.prompt_ids, dtype=torch.long)
+        pad = nb - n
+        inputs.fill(self.device, ids=ids, rows=rows + [self.spare] * pad, lens=lens + [1] * pad,
+                    temp=[float(r.temperature) for r in reqs] + [0.0] * pad,
+                    seed=[_seed64(r.seed) for r in reqs] + [0] * pad, limit=[r.max_new_tokens for r in reqs] + [1] * pad)
+        if key not in self._prefills:
+            # The warm-up before the capture runs the prefill for real: harmless, it is idempotent (it writes the
+            # same slots and state as the replay that follows).
+            fn = lambda: self._prefill_device(inputs, sampled)  # noqa: E731
+            self._prefills[key] = (inputs, GraphedStep(fn, self.graphs, pool=self._pool))
+        self._prefills[key][1]()
+        for r, req, L in zip(rows, reqs, lens):
+            self._req[r], self._plen[r], self._cap[r], self._since[r] = req, L, L + req.max_new_tokens - 1, self._t
+        stats.prefill_tokens += sum(lens)
+        stats.prefill_padded += nb * P
+
+    def _prefill_device(self, x: "_PrefillInputs", sampled: bool) -> None:
+        """The prefill forward over x's static inputs. Capturable: device ops only."""
+        nb, P = x.ids.shape
         kv = self.kv_idx[:P]
-        pos = kv[None, :].expand(n, P)
+        pos = kv[None, :].expand(nb, P)
         if self._causal_prefill:
             # Right padding: plain causal attention already hides every row's padding keys from its real tokens
             # (they come after them), and what the padding queries compute is never read. No mask lets SDPA take
             # its fused causal kernel instead of a masked one over [n, heads, P, P].
             mask = None
         else:  # [n, 1, P, P]: causal within the prompt, padding keys hidden (a padding query still sees slot 0)
-            mask = ((kv[None, :] <= kv[:, None])[None] & (kv[None, :] < lens_t[:, None])[:, None, :])[:, None]
-        hidden = self.base(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                           **{self._prefill_kwarg: _PrefillWriter(self.cache, rows_t)}).last_hidden_state
-        logits = self.head(hidden[torch.arange(n, device=dev), lens_t - 1])                # [n, V]
-        temp = self._upload([float(r.temperature) for r in reqs], torch.float32)
-        seed = self._upload([_seed64(r.seed) for r in reqs])
-        limit = self._upload([r.max_new_tokens for r in reqs])
-        first = pick_seeded(logits, temp, seed, torch.zeros(n, dtype=torch.long, device=dev),
-                            any(r.temperature > 0 for r in reqs))
-        self.tok[rows_t] = first
-        self.pos[rows_t] = lens_t
-        self.count[rows_t] = 1
-        self.limit[rows_t] = limit
-        self.temp[rows_t], self.seed[rows_t] = temp, seed
-        self.out[rows_t, 0] = first
-        self.finished[rows_t] = (first[:, None] == self.stop_ids[None, :]).any(-1) | (limit <= 1)
-        for r, req, L in zip(rows, reqs, lens):
-            self._req[r], self._plen[r], self._cap[r], self._since[r] = req, L, L + req.max_new_tokens - 1, self._t
-        stats.prefill_tokens += sum(lens)
-        stats.prefill_padded += n * P
-
-    def _upload(self, data: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        """A host list on the device without waiting for it: from pinned memory, queued on the stream (a copy from
-        pageable memory would first wait for every step already queued, the overlap_prefill case)."""
-        host = torch.tensor(data, dtype=dtype)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+            mask = ((kv[None, :] <= kv[:, None])[None] & (kv[None, :] < x.lens[:, None])[:, None, :])[:, None]
+        hidden = self.base(input_ids=x.ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                           **{self._prefill_kwarg: _PrefillWriter(self.cache, x.rows)}).last_hidden_state
+        logits = self.head(hidden[torch.arange(nb, device=hidden.device), x.lens - 1])        # [nb, V]
+        first = pick_seeded(logits, x.temp, x.seed, torch.zeros_like(x.lens), sampled)
+        rows = x.rows
+        self.tok[rows] = first
+        self.pos[rows] = x.lens
+        self.count[rows] = 1
+        self.limit[rows] = x.limit
+        self.temp[rows], self.seed[rows] = x.temp, x.seed
+        self.out[rows, 0] = first
+        self.finished[rows] = (first[:, None] == self.stop_ids[None, :]).any(-1) | (x.limit <= 1)
 
     def _reset(self) -> None:
         """Drop whatever is in flight (a stop, an error): the engine is ready for the next run."""
