@@ -154,9 +154,11 @@ def profile_engine() -> None:
     hf = smollm2_llama()
     workloads = {"sharegpt-like": dict(median_prompt=110, sigma=1.0, max_prompt=1790),
                  "self-prompt-like": dict(median_prompt=60, sigma=0.4, max_prompt=400)}
-    variants = [("before", dict(batch_size=768)), ("now", dict(batch_size=768)),
-                ("now", dict(batch_size=768, overlap_prefill=True)),
-                ("now", dict(batch_size=1536, overlap_prefill=True))]
+    variants = [("before", dict(batch_size=768)),
+                ("now", dict(batch_size=768, overlap_prefill=False, prefill_graphs=False)),
+                ("now", dict(batch_size=768, prefill_graphs=False)),
+                ("now", dict(batch_size=768)),             # the defaults: overlap_prefill, graphed prefill
+                ("now", dict(batch_size=1536))]
     print("workload | engine | requests | generated | s | tokens/s | row use | kv read/needed | prefill padded/real "
           "| refill s | launch s | wait s | rest s | prefill fwds | same tokens as the first row")
     for wname, shape in workloads.items():

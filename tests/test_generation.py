@@ -207,3 +207,26 @@ def test_engine_counts_the_kv_it_reads(hf):
     assert stats.kv_slots_read == stats.kv_slots_needed and stats.row_steps == stats.steps == 4 + 5 + 6
     wide = Engine(hf, 4, 32, window=8).run(iter(reqs), lambda *a: None)
     assert wide.kv_slots_needed == stats.kv_slots_needed < wide.kv_slots_read
+
+
+def test_a_prefill_that_cannot_be_captured_runs_eagerly_with_one_warning(hf, cases, monkeypatch, caplog):
+    """A model whose prefill a CUDA graph cannot hold: the engine says so once and decodes the same tokens eagerly.
+    (CPU stand-in: the capture is made to fail.)"""
+    import dflash_train.generation.engine as engine_mod
+
+    real = engine_mod.GraphedStep
+
+    def failing(fn, graphs, **kw):
+        if graphs:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real(fn, graphs, **kw)
+
+    monkeypatch.setattr(engine_mod, "GraphedStep", failing)
+    prompts, news, refs, _ = cases
+    engine = Engine(hf, 3, 64, window=8, check_every=3)
+    engine.prefill_graphs = True  # as on a GPU
+    with caplog.at_level("WARNING", logger="dflash_train"):
+        got = run_engine(engine, [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))])
+    assert [got[i] for i in range(len(prompts))] == refs
+    warned = [r for r in caplog.records if "could not be captured" in r.getMessage()]
+    assert len(warned) == 1 and engine.prefill_graphs is False

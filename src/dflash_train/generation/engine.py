@@ -17,7 +17,9 @@ their tokens, the free rows are refilled at once (follow-ups first, then request
 queued, and only then, while the device runs them, the host hands the ended requests to `on_done` (which may
 submit follow-ups: the next turn of a conversation, taken at the next refill) and pulls the next requests (chat
 templates, tokenizing). Why not every step: a sync per step idles the GPU while the host reads the flags and
-launches the next step; CHECK_EVERY = 8 costs a finished row at most 7 frozen steps (~1.4% of a 256-token reply on
+launches the next step; log = logging.getLogger("dflash_train")
+
+CHECK_EVERY = 8 costs a finished row at most 7 frozen steps (~1.4% of a 256-token reply on
 average) and removes 7 of every 8 syncs. The host never needs the rows' positions: it bounds them by prompt + steps
 taken.
 
@@ -38,6 +40,7 @@ sampled answer depends on its seed only, not on the row, the batch or what ran b
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, fields
@@ -50,6 +53,8 @@ from ..models.cuda_graph import GraphedStep, resolve_graphs
 from ..inference.decoding import device_sync
 from ..inference.target_runner import StaticKVCache, cache_kwarg_name
 from ..models.target import TargetInfo
+
+log = logging.getLogger("dflash_train")
 
 CHECK_EVERY = 8          # decoding steps between host checks for ended rows (see the module docstring)
 WINDOW = 128             # attention reads the longest live row's slots rounded up to this (one graph per window)
@@ -191,7 +196,8 @@ class Engine:
 
     def __init__(self, hf, batch_size: int, max_len: int, stop_ids=(), graphs: bool | None = None,
                  window: int = WINDOW, check_every: int = CHECK_EVERY, prefill_tokens: int = PREFILL_TOKENS,
-                 packed_gqa: bool = True, pad_id: int = 0, overlap_prefill: bool = True):
+                 packed_gqa: bool = True, pad_id: int = 0, overlap_prefill: bool = True,
+                 prefill_graphs: bool | None = None):
         if batch_size < 1 or max_len < 2 or window < 1 or check_every < 1:
             raise ValueError(f"bad engine shape: batch_size={batch_size}, max_len={max_len}, window={window}, "
                              f"check_every={check_every}")
@@ -206,6 +212,7 @@ class Engine:
         emb = hf.get_input_embeddings().weight
         self.device = dev = emb.device
         self.graphs = resolve_graphs(graphs, dev)
+        self.prefill_graphs = self.graphs if prefill_graphs is None else resolve_graphs(prefill_graphs, dev)
         info = TargetInfo.from_config(hf.config)
         self.b, self.max_len, self.window, self.check_every = batch_size, max_len, window, check_every
         self.prefill_tokens, self.pad_id, self.overlap_prefill = prefill_tokens, pad_id, overlap_prefill
@@ -381,12 +388,24 @@ class Engine:
             # The warm-up before the capture runs the prefill for real: harmless, it is idempotent (it writes the
             # same slots and state as the replay that follows).
             fn = lambda: self._prefill_device(inputs, sampled)  # noqa: E731
-            self._prefills[key] = (inputs, GraphedStep(fn, self.graphs, pool=self._pool))
+            self._prefills[key] = (inputs, self._prefill_step(fn))
         self._prefills[key][1]()
         for r, req, L in zip(rows, reqs, lens):
             self._req[r], self._plen[r], self._cap[r], self._since[r] = req, L, L + req.max_new_tokens - 1, self._t
         stats.prefill_tokens += sum(lens)
         stats.prefill_padded += nb * P
+
+    def _prefill_step(self, fn) -> GraphedStep:
+        """fn as a CUDA graph, or eager when prefill graphs are off, or when a capture fails (a model whose forward
+        a graph cannot hold): the prefill then runs eagerly, slower but the same, and the log says so once."""
+        if self.prefill_graphs:
+            try:
+                return GraphedStep(fn, True, pool=self._pool)
+            except RuntimeError as e:
+                self.prefill_graphs = False
+                log.warning(f"regeneration: the prefill could not be captured as a CUDA graph ({str(e)[:200]}); it "
+                            "runs eagerly from now on (slower, same tokens)")
+        return GraphedStep(fn, False)
 
     def _prefill_device(self, x: "_PrefillInputs", sampled: bool) -> None:
         """The prefill forward over x's static inputs. Capturable: device ops only."""
