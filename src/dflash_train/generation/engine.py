@@ -17,9 +17,7 @@ their tokens, the free rows are refilled at once (follow-ups first, then request
 queued, and only then, while the device runs them, the host hands the ended requests to `on_done` (which may
 submit follow-ups: the next turn of a conversation, taken at the next refill) and pulls the next requests (chat
 templates, tokenizing). Why not every step: a sync per step idles the GPU while the host reads the flags and
-launches the next step; log = logging.getLogger("dflash_train")
-
-CHECK_EVERY = 8 costs a finished row at most 7 frozen steps (~1.4% of a 256-token reply on
+launches the next step; CHECK_EVERY = 8 costs a finished row at most 7 frozen steps (~1.4% of a 256-token reply on
 average) and removes 7 of every 8 syncs. The host never needs the rows' positions: it bounds them by prompt + steps
 taken.
 
@@ -223,8 +221,8 @@ class Engine:
                                 emb.dtype, dev)
         self._step_kwarg = cache_kwarg_name(hf)
         self._prefill_kwarg = cache_kwarg_name(self.base)
-        b = batch_size + 1
-        # Per-row device state ([b] each; out [b, max_len]). Ended and empty rows have finished = True.
+        b = batch_size + 1  # the spare row included
+        # Per-row device state ([b] each; out [b, max_len]). Ended, empty and spare rows have finished = True.
         self.tok = torch.zeros(b, dtype=torch.long, device=dev)       # the token fed next
         self.pos = torch.zeros(b, dtype=torch.long, device=dev)       # its slot (= its position id)
         self.count = torch.zeros(b, dtype=torch.long, device=dev)     # tokens generated so far
@@ -236,7 +234,7 @@ class Engine:
         self.stop_ids = torch.tensor(sorted({int(t) for t in stop_ids}), dtype=torch.long, device=dev)
         self.kv_idx = torch.arange(max_len, device=dev)
         # Host state per row: the request, its prompt length, its last possible slot, the step it was prefilled at.
-        b = batch_size
+        b = batch_size  # the host tracks the real rows only
         self._req: list[Request | None] = [None] * b
         self._plen, self._cap, self._since = [0] * b, [0] * b, [0] * b
         self._queue: deque[Request] = deque()  # submitted follow-ups
