@@ -174,10 +174,10 @@ class _PrefillInputs:
             return torch.zeros(shape, dtype=dtype, device=device)
         return cls(z(nb, P), z(nb), z(nb), z(nb, dtype=torch.float32), z(nb), z(nb))
 
-    def fill(self, device: torch.device, ids: torch.Tensor, **rows: list) -> None:
+    def fill(self, ids: torch.Tensor, **rows: list) -> None:
         """Copy host values in, queued on the stream from pinned memory on CUDA: a copy from pageable memory would
         first wait for every step already queued (and undo overlap_prefill)."""
-        pin = device.type == "cuda"
+        pin = self.ids.device.type == "cuda"
         for name, host in [("ids", ids)] + [(k, torch.tensor(v, dtype=getattr(self, k).dtype)) for k, v in rows.items()]:
             getattr(self, name).copy_(host.pin_memory() if pin else host, non_blocking=pin)
 
@@ -379,7 +379,7 @@ class Engine:
         for i, r in enumerate(reqs):
             ids[i, : lens[i]] = torch.as_tensor(r.prompt_ids, dtype=torch.long)
         pad = nb - n
-        inputs.fill(self.device, ids=ids, rows=rows + [self.spare] * pad, lens=lens + [1] * pad,
+        inputs.fill(ids=ids, rows=rows + [self.spare] * pad, lens=lens + [1] * pad,
                     temp=[float(r.temperature) for r in reqs] + [0.0] * pad,
                     seed=[_seed64(r.seed) for r in reqs] + [0] * pad, limit=[r.max_new_tokens for r in reqs] + [1] * pad)
         if key not in self._prefills:
