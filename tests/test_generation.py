@@ -8,11 +8,12 @@ from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from tiny_chat import make_tiny_chat_target, write_chats
 
 from dflash_train.cli import main
 from dflash_train.data.sources import iter_conversations
-from dflash_train.generation.engine import Engine, Request, pick_seeded, seeded_uniform
+from dflash_train.generation.engine import Engine, Request, _PrefillInputs, pick_seeded, seeded_uniform
 from dflash_train.models.target import load_causal_lm
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -230,3 +231,30 @@ def test_a_prefill_that_cannot_be_captured_runs_eagerly_with_one_warning(hf, cas
     assert [got[i] for i in range(len(prompts))] == refs
     warned = [r for r in caplog.records if "could not be captured" in r.getMessage()]
     assert len(warned) == 1 and engine.prefill_graphs is False
+
+
+class _HostTensorSpy(TorchDispatchMode):
+    """Records every tensor made from host data (torch.tensor(...), `x[i] = 1`): a CUDA graph cannot hold the copy of
+    one to the device, so a capture of a step that makes one fails on GPU (found there: `count[rows] = 1`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.made.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_engine_device_steps_make_no_host_tensors(hf, sampled):
+    engine = Engine(hf, 4, 64, window=8)
+    inputs = _PrefillInputs.empty(4, 16, engine.device)
+    inputs.fill(ids=torch.randint(1, 100, (4, 16)), rows=[0, 1, 2, engine.spare], lens=[16, 5, 9, 1],
+                temp=[0.7 if sampled else 0.0] * 4, seed=[1, 2, 3, 0], limit=[5, 5, 5, 1])
+    spy = _HostTensorSpy()
+    with spy:
+        engine._prefill_device(inputs, sampled)
+        engine._decode(4, 24, sampled)
+    assert spy.made == []

@@ -424,7 +424,7 @@ class Engine:
         rows = x.rows
         self.tok[rows] = first
         self.pos[rows] = x.lens
-        self.count[rows] = 1
+        self.count.index_fill_(0, rows, 1)  # not count[rows] = 1: that copies a host scalar, which no graph holds
         self.limit[rows] = x.limit
         self.temp[rows], self.seed[rows] = x.temp, x.seed
         self.out[rows, 0] = first
