@@ -93,14 +93,14 @@ start() {
 
 poll() {
   sleep "${POLL_S:-500}"
-  mkdir -p "$OUT" && cp $S/demo.log "$OUT/" 2>/dev/null  # what ran so far comes back even if the lease ends
+  collect > /dev/null  # what ran so far (log, finished evaluations) comes back even if the lease ends
   grep -v -E "it/s\]|s/it\]" $S/demo.log | grep -v "^.*step .*tok/s" | tail -12
   grep -E "^.* step " $S/demo.log | tail -3
 }
 
 vpoll() {
   sleep "${POLL_S:-500}"
-  mkdir -p "$OUT" && cp $S/demo.log "$OUT/" 2>/dev/null  # what ran so far comes back even if the lease ends
+  collect > /dev/null  # what ran so far (log, finished evaluations) comes back even if the lease ends
   tail -4 $S/variants.log
   for f in $S/variant_*.log; do echo "-- $f"; grep -E " step |val " $f | tail -2; done 2>/dev/null
 }

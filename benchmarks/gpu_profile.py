@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -159,6 +160,9 @@ def profile_engine() -> None:
                 ("now", dict(batch_size=768, prefill_graphs=False)),
                 ("now", dict(batch_size=768)),             # the defaults: overlap_prefill, graphed prefill
                 ("now", dict(batch_size=1536))]
+    quick = os.environ.get("ENGINE_QUICK") == "1"  # the prefill's graphs on vs off only, no kernel tables
+    if quick:
+        variants = [v for v in variants if v[0] == "now" and v[1].get("overlap_prefill", True)]
     print("workload | engine | requests | generated | s | tokens/s | row use | kv read/needed | prefill padded/real "
           "| refill s | launch s | wait s | rest s | prefill fwds | same tokens as the first row")
     for wname, shape in workloads.items():
@@ -184,6 +188,8 @@ def profile_engine() -> None:
             eng = None
             gc.collect()  # the graphs' closures hold the engine and its cache
             torch.cuda.empty_cache()
+    if quick:
+        return
     # One graphed step alone, and one eager prefill forward of a typical refill, by CUDA events.
     eng = Engine(hf, 768, 2048)
     eng.finished.fill_(False)
