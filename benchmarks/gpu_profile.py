@@ -155,14 +155,17 @@ def profile_engine() -> None:
     hf = smollm2_llama()
     workloads = {"sharegpt-like": dict(median_prompt=110, sigma=1.0, max_prompt=1790),
                  "self-prompt-like": dict(median_prompt=60, sigma=0.4, max_prompt=400)}
+    mask = dict(decode_attention="mask")  # the default, named where a row compares it
     variants = [("before", dict(batch_size=768)),
-                ("now", dict(batch_size=768, overlap_prefill=False, prefill_graphs=False)),
-                ("now", dict(batch_size=768, prefill_graphs=False)),
-                ("now", dict(batch_size=768)),             # the defaults: overlap_prefill, graphed prefill
-                ("now", dict(batch_size=1536))]
-    quick = os.environ.get("ENGINE_QUICK") == "1"  # the prefill's graphs on vs off only, no kernel tables
+                ("now", dict(batch_size=768, overlap_prefill=False, prefill_graphs=False, **mask)),
+                ("now", dict(batch_size=768, prefill_graphs=False, **mask)),
+                ("now", dict(batch_size=768)),             # the defaults: overlap_prefill, graphed prefill, mask
+                ("now", dict(batch_size=768, decode_attention="flex")),  # each row reading its own slots
+                ("now", dict(batch_size=1536)),
+                ("now", dict(batch_size=1536, decode_attention="flex"))]
+    quick = os.environ.get("ENGINE_QUICK") == "1"  # the defaults vs flex decode only, no kernel tables
     if quick:
-        variants = [v for v in variants if v[0] == "now" and v[1].get("overlap_prefill", True)]
+        variants = variants[3:]
     print("workload | engine | requests | generated | s | tokens/s | row use | kv read/needed | prefill padded/real "
           "| refill s | launch s | wait s | rest s | prefill fwds | same tokens as the first row")
     for wname, shape in workloads.items():
@@ -188,19 +191,30 @@ def profile_engine() -> None:
             eng = None
             gc.collect()  # the graphs' closures hold the engine and its cache
             torch.cuda.empty_cache()
+    # One graphed step alone (masked: every row reads `visible` slots; flex: every row `slots` slots of its own), by
+    # CUDA events; then (not in quick mode) the eager kernel tables.
+    eng = Engine(hf, 768, 2048, decode_attention="mask")
+    flex = Engine(hf, 768, 2048, decode_attention="flex")
+    eng.finished.fill_(False)
+    flex.finished.fill_(False)
+    flex.limit.fill_(1 << 30)  # live rows all along: an ended row reads nothing under flex
+    for vis in (256, 512, 1024, 2048):
+        kv = 768 * vis * 2 * 30 * 3 * 64 * 2
+        for name, e in (("masked", eng), ("flex", flex)):
+            if e is flex:
+                flex.pos.fill_(vis - 32)  # 20 timed steps and the warm-up advance it: it stays inside vis
+                step = flex._graphed(768, 2048, False)
+            else:
+                step = eng._graphed(768, vis, False)
+            ms = timed(step, 20)
+            print(f"graphed decode step ({name}), 768 rows, {vis} slots each: {ms:.3f} ms = {768 / ms * 1e3:,.0f} "
+                  f"tokens/s; KV read {kv / 1e9:.1f} GB = {kv / ms / 1e9:.2f} TB/s", flush=True)
+    flex.finished.fill_(True)
+    flex = None
     if quick:
         return
-    # One graphed step alone, and one eager prefill forward of a typical refill, by CUDA events.
-    eng = Engine(hf, 768, 2048)
-    eng.finished.fill_(False)
-    for vis in (256, 512, 1024, 2048):
-        step = eng._graphed(768, vis, False)
-        ms = timed(step, 20)
-        kv = 768 * vis * 2 * 30 * 3 * 64 * 2
-        print(f"graphed decode step, 768 rows, {vis} visible slots: {ms:.3f} ms = {768 / ms * 1e3:,.0f} tokens/s; "
-              f"KV read {kv / 1e9:.1f} GB = {kv / ms / 1e9:.2f} TB/s")
     eng.finished.fill_(True)
-    eager = Engine(hf, 768, 2048, graphs=False)
+    eager = Engine(hf, 768, 2048, graphs=False, decode_attention="mask")
     eager.finished.fill_(False)
     top_kernels(lambda: eager._decode(768, 512, False), "decode step, 768 rows, 512 visible (eager)", rows=12)
     eager = None
@@ -275,8 +289,35 @@ def profile_drafter() -> None:
                 torch.cuda.empty_cache()
 
 
+def profile_flexstep() -> None:
+    """The flex decoding step (768 rows of `slots` live slots each) with the default compile and with autotuned
+    kernel configs, against the masked step."""
+    import gc
+
+    import dflash_train.inference.attention as attention
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash_train.generation.engine import Engine
+
+    hf = smollm2_llama()
+    for mode in (None, "max-autotune-no-cudagraphs"):
+        attention._compiled_flex = torch.compile(flex_attention, dynamic=False, mode=mode)
+        flex = Engine(hf, 768, 2048, decode_attention="flex")
+        flex.finished.fill_(False)
+        flex.limit.fill_(1 << 30)
+        for slots in (128, 256, 512, 1024, 2048):
+            flex.pos.fill_(slots - 32)
+            ms = timed(flex._graphed(768, 2048, False), 20)
+            kv = 768 * slots * 2 * 30 * 3 * 64 * 2
+            print(f"flex step (compile mode {mode}), 768 rows x {slots} slots: {ms:.3f} ms = "
+                  f"{768 / ms * 1e3:,.0f} tokens/s; KV {kv / 1e9:.1f} GB = {kv / ms / 1e9:.2f} TB/s", flush=True)
+        flex.finished.fill_(True)
+        flex = None
+        gc.collect()
+
+
 if __name__ == "__main__":
     what = sys.argv[1:] or ["generate", "target", "drafter"]
     with torch.no_grad():
         for w in what:
-            {"generate": profile_generate, "engine": profile_engine, "target": profile_target, "drafter": profile_drafter}[w]()
+            {"generate": profile_generate, "engine": profile_engine, "flexstep": profile_flexstep, "target": profile_target, "drafter": profile_drafter}[w]()

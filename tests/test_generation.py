@@ -79,6 +79,39 @@ def test_engine_greedy_equals_one_prompt_at_a_time(hf, cases, batch, window, che
     assert sum(stop in r for r in refs) >= 2 and cut != refs
 
 
+@pytest.mark.parametrize("batch, check, overlap", [(3, 3, True), (5, 1, False)])
+def test_engine_flex_decode_equals_one_prompt_at_a_time(hf, cases, batch, check, overlap):
+    """decode_attention='flex' (each row reads its own 128-slot tiles; eager flex on CPU, compiled on CUDA): the same
+    answers as one prompt at a time, with and without a stop token, and rows crossing a tile boundary."""
+    prompts, news, refs, stop = cases
+    g = torch.Generator().manual_seed(1)
+    long = [torch.randint(1, 128, (k,), generator=g).tolist() for k in (120, 127, 128, 140)]  # they cross slot 128
+    long_refs = [naive_greedy(hf, p, 12) for p in long]
+    reqs = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))]
+    reqs += [Request(("long", i), p, 12) for i, p in enumerate(long)]
+    engine = Engine(hf, batch, 160, check_every=check, overlap_prefill=overlap, decode_attention="flex")
+    got = run_engine(engine, reqs)
+    assert [got[i] for i in range(len(prompts))] == refs
+    assert [got[("long", i)] for i in range(len(long))] == long_refs
+    engine = Engine(hf, batch, 160, stop_ids=[stop], check_every=check, overlap_prefill=overlap,
+                    decode_attention="flex")
+    got = run_engine(engine, reqs[: len(prompts)])
+    assert [got[i] for i in range(len(prompts))] == [r[: r.index(stop) + 1] if stop in r else r for r in refs]
+
+
+def test_engine_flex_sampled_answers_equal_the_masked_ones(hf, cases):
+    prompts, news, _, _ = cases
+    sampled = [Request(i, p, n, 1.0, seed=1000 + i) for i, (p, n) in enumerate(zip(prompts, news))]
+    masked = run_engine(Engine(hf, 4, 64, window=16, check_every=3, decode_attention="mask"), sampled)
+    assert run_engine(Engine(hf, 4, 64, check_every=3, decode_attention="flex"), sampled) == masked
+
+
+def test_engine_decode_attention_is_checked(hf):
+    with pytest.raises(ValueError, match="pick one of mask, flex"):
+        Engine(hf, 2, 32, decode_attention="paged")
+    assert Engine(hf, 2, 32).flex is False  # the masked step by default
+
+
 def test_engine_reused_small_prefill_chunks_and_max_len_boundary(hf):
     """One engine, several runs; prefill chunks of one request each; a request filling the cache exactly (prompt +
     max_new_tokens = max_len) and one that does not fit (an error, not a wrong answer)."""
@@ -254,7 +287,16 @@ def test_engine_device_steps_make_no_host_tensors(hf, sampled):
     inputs.fill(ids=torch.randint(1, 100, (4, 16)), rows=[0, 1, 2, engine.spare], lens=[16, 5, 9, 1],
                 temp=[0.7 if sampled else 0.0] * 4, seed=[1, 2, 3, 0], limit=[5, 5, 5, 1])
     spy = _HostTensorSpy()
-    with spy:
+    with torch.no_grad(), spy:
         engine._prefill_device(inputs, sampled)
         engine._decode(4, 24, sampled)
+    assert spy.made == []
+
+
+def test_flex_decode_mask_makes_no_host_tensors(hf):
+    """The flex step's own part, its BlockMask (flex_attention itself compiles, which a dispatch mode prevents)."""
+    engine = Engine(hf, 4, 64, decode_attention="flex")
+    spy = _HostTensorSpy()
+    with spy:
+        engine._rows_mask.block_mask(4)
     assert spy.made == []

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..inference.attention import restore_sdpa, use_packed_gqa
+from ..inference.attention import RowLengthMask, restore_sdpa, use_packed_gqa, use_row_length_flex
 from ..models.cuda_graph import GraphedStep, resolve_graphs
 from ..inference.decoding import device_sync
 from ..inference.target_runner import StaticKVCache, cache_kwarg_name
@@ -60,6 +60,11 @@ PREFILL_TOKENS = 1 << 15  # padded prompt tokens per prefill forward (its [n, 1,
 MIN_PREFILL_SLOTS = 16   # the smallest slot bucket of a prefill forward (prompt lengths round up to a power of two)
 MAX_AUTO_BATCH = 768     # the largest batch measured on real data (docs/dev-log.md section 11: SmolLM2 on an H200)
 CPU_BATCH = 8            # `--batch-size auto` on a CPU
+# How a decoding step attends: "mask" (every stepped row reads the first `visible` slots) or "flex" (each row reads
+# its own 128-slot tiles; inference/attention.RowLengthMask). Measured on an H200 (docs/BENCHMARKS.md, "Regeneration
+# engine"): flex reads 1.24-1.39x the K/V the rows need instead of 2.5-2.95x, yet its compiled kernel ran the
+# engine at 0.79-0.94x the tokens/s of the masked cuDNN step, so "mask" stays the default.
+DECODE_ATTENTION = ("mask", "flex")
 
 _M32 = 0xFFFFFFFF
 
@@ -195,12 +200,21 @@ class Engine:
     def __init__(self, hf, batch_size: int, max_len: int, stop_ids=(), graphs: bool | None = None,
                  window: int = WINDOW, check_every: int = CHECK_EVERY, prefill_tokens: int = PREFILL_TOKENS,
                  packed_gqa: bool = True, pad_id: int = 0, overlap_prefill: bool = True,
-                 prefill_graphs: bool | None = None):
+                 prefill_graphs: bool | None = None, decode_attention: str = "mask"):
         if batch_size < 1 or max_len < 2 or window < 1 or check_every < 1:
             raise ValueError(f"bad engine shape: batch_size={batch_size}, max_len={max_len}, window={window}, "
                              f"check_every={check_every}")
-        # On packed GQA the prefill passes no mask (causal SDPA, see _prefill); other attentions get a 4D one.
-        if packed_gqa:
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r}: pick one of {', '.join(DECODE_ATTENTION)}")
+        self.flex = decode_attention == "flex"
+        # On packed GQA (and flex, whose prefill goes to it) the prefill passes no mask (causal SDPA, see
+        # _prefill_device); other attentions get a 4D one.
+        if self.flex:
+            if not use_row_length_flex(hf):
+                raise ValueError(f"decode_attention='flex' needs a model on 'sdpa' attention, not "
+                                 f"{hf.config._attn_implementation!r}: load it with attn_implementation='sdpa'")
+            self._causal_prefill = True
+        elif packed_gqa:
             self._causal_prefill = use_packed_gqa(hf)
         else:
             restore_sdpa(hf)
@@ -233,6 +247,7 @@ class Engine:
         self.out = torch.zeros(b, max_len, dtype=torch.long, device=dev)  # generated tokens per row
         self.stop_ids = torch.tensor(sorted({int(t) for t in stop_ids}), dtype=torch.long, device=dev)
         self.kv_idx = torch.arange(max_len, device=dev)
+        self._rows_mask = RowLengthMask(self.pos, self.finished, max_len) if self.flex else None
         # Host state per row: the request, its prompt length, its last possible slot, the step it was prefilled at.
         b = batch_size  # the host tracks the real rows only
         self._req: list[Request | None] = [None] * b
@@ -291,8 +306,19 @@ class Engine:
 
     def _launch(self, occupied: list[int], stats: EngineStats) -> None:
         """Queue check_every steps of the rows up to the highest occupied one (no host sync)."""
-        bucket = min(self.b, 1 << (max(occupied)).bit_length())
         sampled = any(self._req[r].temperature > 0 for r in occupied)
+        if self.flex:
+            # One graph per `sampled` (a compiled flex kernel per shape): every row steps, an empty or ended one
+            # reads no slot.
+            for j in range(self.check_every):
+                ends = [min(self._plen[r] + self._t - self._since[r], self._cap[r]) for r in occupied]
+                self._graphed(self.b, self.max_len, sampled)()
+                self._t += 1
+                stats.kv_slots_read += self._rows_mask.slots_read(ends)
+            stats.steps += self.check_every
+            stats.row_steps += self.check_every * self.b
+            return
+        bucket = min(self.b, 1 << (max(occupied)).bit_length())
         # Slot bounds: a live row advances one slot a step up to its cap; an ended one stays put.
         reach = max(min(self._plen[r] + self._t - self._since[r], self._cap[r]) for r in occupied)
         cap = max(self._cap[r] for r in occupied)
@@ -445,7 +471,10 @@ class Engine:
         pos, tok, count = self.pos[:bucket], self.tok[:bucket], self.count[:bucket]
         finished = self.finished[:bucket]
         self.cache.rows, self.cache.pos, self.cache.visible = bucket, pos, visible
-        mask = (self.kv_idx[:visible][None, :] <= pos[:, None])[:, None, None, :]             # [bucket, 1, 1, vis]
+        if self.flex:  # a BlockMask [bucket, 1, 1, max_len] of per-row tile counts (visible == max_len)
+            mask = self._rows_mask.block_mask(bucket)
+        else:
+            mask = (self.kv_idx[:visible][None, :] <= pos[:, None])[:, None, None, :]         # [bucket, 1, 1, vis]
         logits = self.hf(input_ids=tok[:, None], position_ids=pos[:, None], attention_mask=mask, use_cache=True,
                          logits_to_keep=1, **{self._step_kwarg: self.cache}).logits[:, -1]   # [bucket, V]
         live = ~finished

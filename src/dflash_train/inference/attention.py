@@ -65,3 +65,91 @@ def restore_sdpa(hf) -> None:
     """Undo use_packed_gqa (a model handed back to code that checks for 'sdpa' by name)."""
     if getattr(hf.config, "_attn_implementation", None) == NAME:
         hf.set_attn_implementation("sdpa")
+
+
+# ---------------------------------------------------------------------------------------------- row-length decode
+#
+# The regeneration engine (generation/engine.py) keeps rows of very different lengths in one static cache. A masked
+# SDPA step reads every row's K/V up to the longest row's slot: measured 2.4-2.9x the K/V the rows need on chat-like
+# lengths, and a decoding step of a small model is that read. Flex attention with a BlockMask of per-row tile counts
+# reads only the 128-slot tiles up to each row's own position (none for a row that has ended); a mask_mod hides the
+# slots past it inside its last tile. The BlockMask comes in as the 4D `attention_mask` (transformers passes 4D
+# masks through untouched); any other call (the prefill) goes to packed_gqa_attention.
+
+ROW_FLEX_NAME = "row_length_flex"
+_compiled_flex = None
+
+
+def _flex_kernel(device: torch.device):
+    """flex_attention, compiled on CUDA (the fused kernels; eager flex materialises the scores), eager elsewhere."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def row_length_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                         dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                         **kwargs):
+    """HF attention-function signature. With a flex BlockMask as attention_mask: query [b, H, q, d] over key/value
+    [b, H_kv, L, d] -> (output [b, q, H, d], None); with anything else: packed_gqa_attention."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if not isinstance(attention_mask, BlockMask):
+        return packed_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                    is_causal=is_causal, **kwargs)
+    out = _flex_kernel(query.device)(query, key, value, block_mask=attention_mask, scale=scaling,
+                                     enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_row_length_flex(hf) -> bool:
+    """Switch an HF model that runs 'sdpa' (or packed GQA) to row_length_attention. True if switched or already on
+    it; models on another attention implementation are left as they are."""
+    from transformers import AttentionInterface
+
+    impl = getattr(hf.config, "_attn_implementation", None)
+    if impl == ROW_FLEX_NAME:
+        return True
+    if impl not in ("sdpa", NAME):
+        return False
+    if ROW_FLEX_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ROW_FLEX_NAME, row_length_attention)
+    hf.set_attn_implementation(ROW_FLEX_NAME)
+    return True
+
+
+class RowLengthMask:
+    """Builds the decode step's BlockMask from per-row state, with device ops only (a CUDA graph holds it).
+
+    ends [rows] long and done [rows] bool are buffers whose contents change between steps (not their addresses):
+    row r sees slots 0..ends[r], or none when done[r]. One mask_mod for the object's life, so a compiled
+    flex_attention sees the same closure at every call."""
+
+    def __init__(self, ends: torch.Tensor, done: torch.Tensor, slots: int, tile: int = 128):
+        self.ends, self.done, self.slots, self.tile = ends, done, slots, tile
+        self.n_tiles = -(-slots // tile)
+        self._tile_idx = torch.arange(self.n_tiles, dtype=torch.int32, device=ends.device).repeat(ends.shape[0], 1)
+        ends_, done_ = ends, done
+
+        def upto_end(b, h, q_idx, kv_idx):  # the tile counts say the same: here for eager flex, which reads them not
+            return (kv_idx <= ends_[b]) & ~done_[b]
+
+        self.mask_mod = upto_end
+
+    def block_mask(self, rows: int):
+        """-> BlockMask [rows, 1, 1, slots] over the first `rows` rows."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        ends, done = self.ends[:rows], self.done[:rows]
+        kv_num = torch.where(done, 0, torch.div(ends, self.tile, rounding_mode="floor") + 1).to(torch.int32)
+        return BlockMask.from_kv_blocks(kv_num[:, None, None], self._tile_idx[:rows, None, None], BLOCK_SIZE=self.tile,
+                                        mask_mod=self.mask_mod, seq_lengths=(1, self.slots))
+
+    def slots_read(self, ends: list[int]) -> int:
+        """The K/V slots one step reads for rows ending at these slots (whole tiles): the engine's statistics."""
+        return sum(min((e // self.tile + 1) * self.tile, self.slots) for e in ends)
