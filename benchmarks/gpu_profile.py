@@ -155,17 +155,22 @@ def profile_engine() -> None:
     hf = smollm2_llama()
     workloads = {"sharegpt-like": dict(median_prompt=110, sigma=1.0, max_prompt=1790),
                  "self-prompt-like": dict(median_prompt=60, sigma=0.4, max_prompt=400)}
-    mask = dict(decode_attention="mask")  # the default, named where a row compares it
+    mask = dict(decode_attention="mask")  # on CUDA the default is flex
     variants = [("before", dict(batch_size=768)),
                 ("now", dict(batch_size=768, overlap_prefill=False, prefill_graphs=False, **mask)),
                 ("now", dict(batch_size=768, prefill_graphs=False, **mask)),
-                ("now", dict(batch_size=768)),             # the defaults: overlap_prefill, graphed prefill, mask
-                ("now", dict(batch_size=768, decode_attention="flex")),  # each row reading its own slots
-                ("now", dict(batch_size=1536)),
-                ("now", dict(batch_size=1536, decode_attention="flex"))]
+                ("now", dict(batch_size=768, **mask)),     # overlap_prefill, graphed prefill, masked decode
+                ("now", dict(batch_size=768)),             # the defaults: and each row reading its own slots (flex)
+                ("now", dict(batch_size=1536, **mask)),
+                ("now", dict(batch_size=1536))]
     quick = os.environ.get("ENGINE_QUICK") == "1"  # the defaults vs flex decode only, no kernel tables
     if quick:
         variants = variants[3:]
+    if os.environ.get("FLEX_DEFAULT_CONFIG") == "1":  # flex kernels without autotuning (profile_flexstep)
+        import dflash_train.inference.attention as attention
+        from torch.nn.attention.flex_attention import flex_attention
+
+        attention._compiled_flex = torch.compile(flex_attention, dynamic=False)
     print("workload | engine | requests | generated | s | tokens/s | row use | kv read/needed | prefill padded/real "
           "| refill s | launch s | wait s | rest s | prefill fwds | same tokens as the first row")
     for wname, shape in workloads.items():

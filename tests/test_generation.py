@@ -107,9 +107,9 @@ def test_engine_flex_sampled_answers_equal_the_masked_ones(hf, cases):
 
 
 def test_engine_decode_attention_is_checked(hf):
-    with pytest.raises(ValueError, match="pick one of mask, flex"):
+    with pytest.raises(ValueError, match="pick one of auto, mask, flex"):
         Engine(hf, 2, 32, decode_attention="paged")
-    assert Engine(hf, 2, 32).flex is False  # the masked step by default
+    assert Engine(hf, 2, 32).flex is False  # auto: the masked step on a CPU
 
 
 def test_engine_reused_small_prefill_chunks_and_max_len_boundary(hf):
@@ -300,3 +300,24 @@ def test_flex_decode_mask_makes_no_host_tensors(hf):
     with spy:
         engine._rows_mask.block_mask(4)
     assert spy.made == []
+
+
+def test_engine_falls_back_to_the_masked_step_when_flex_fails(hf, cases, monkeypatch, caplog):
+    """A flex step that cannot be built (a compile or capture error on some GPU) costs speed, not the run."""
+    import dflash_train.generation.engine as engine_mod
+
+    real = engine_mod.GraphedStep
+    prompts, news, refs, _ = cases
+    engine = Engine(hf, 3, 64, check_every=3, decode_attention="flex")
+
+    def failing(fn, graphs, **kw):
+        if engine.flex and "pool" in kw:  # a decoding step (the eager prefill's step is built without a pool)
+            raise RuntimeError("flex_attention: no kernel for this shape")
+        return real(fn, graphs, **kw)
+
+    monkeypatch.setattr(engine_mod, "GraphedStep", failing)
+    with caplog.at_level("WARNING", logger="dflash_train"):
+        got = run_engine(engine, [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))])
+    assert [got[i] for i in range(len(prompts))] == refs
+    warned = [r for r in caplog.records if "flex decoding step failed" in r.getMessage()]
+    assert len(warned) == 1 and engine.flex is False

@@ -10,6 +10,11 @@ Cost of a step, the KV read: attention reads the first `visible` slots of every 
 live row rounded up to WINDOW slots, and the stepped rows are the first `bucket` ones (the highest occupied row
 rounded up to a power of two; requests go to the lowest free rows, so only a run's tail steps a smaller bucket).
 Each (bucket, visible, sampled) step is one CUDA graph on GPU, captured on first use into one shared memory pool.
+That is `decode_attention="mask"` (cuDNN's masked SDPA; the default on CPU). On CUDA the default is "flex": every row
+steps and reads only its own 128-slot tiles (flex attention with a BlockMask of per-row tile counts built on the
+device, none for an ended row; inference/attention.RowLengthMask), one graph per `sampled`. On an H200 it read
+1.24-1.39x the K/V the rows need instead of 2.5-2.95x and ran 1.15-1.43x the masked engine's tokens/s; a flex step
+that fails to build falls back to the masked one with a warning.
 
 Refill: a row that ends (a stop token, kept, or its own max_new_tokens) stays frozen on the device (it rewrites its
 last slot, its count stops) until the host looks, every CHECK_EVERY steps: one host sync reads which rows ended and
@@ -60,11 +65,11 @@ PREFILL_TOKENS = 1 << 15  # padded prompt tokens per prefill forward (its [n, 1,
 MIN_PREFILL_SLOTS = 16   # the smallest slot bucket of a prefill forward (prompt lengths round up to a power of two)
 MAX_AUTO_BATCH = 768     # the largest batch measured on real data (docs/dev-log.md section 11: SmolLM2 on an H200)
 CPU_BATCH = 8            # `--batch-size auto` on a CPU
-# How a decoding step attends: "mask" (every stepped row reads the first `visible` slots) or "flex" (each row reads
-# its own 128-slot tiles; inference/attention.RowLengthMask). Measured on an H200 (docs/BENCHMARKS.md, "Regeneration
-# engine"): flex reads 1.24-1.39x the K/V the rows need instead of 2.5-2.95x, yet its compiled kernel ran the
-# engine at 0.79-0.94x the tokens/s of the masked cuDNN step, so "mask" stays the default.
-DECODE_ATTENTION = ("mask", "flex")
+# How a decoding step attends: "mask" (every stepped row reads the first `visible` slots, cuDNN's masked SDPA) or
+# "flex" (each row reads its own 128-slot tiles; inference/attention.RowLengthMask); "auto" = flex on CUDA, mask
+# elsewhere. Measured on an H200 (docs/BENCHMARKS.md, "Regeneration engine"): flex reads 1.24-1.39x the K/V the rows
+# need instead of 2.5-2.95x and, autotuned, ran the engine at 1.15-1.43x the tokens/s of the masked step.
+DECODE_ATTENTION = ("auto", "mask", "flex")
 
 _M32 = 0xFFFFFFFF
 
@@ -200,13 +205,14 @@ class Engine:
     def __init__(self, hf, batch_size: int, max_len: int, stop_ids=(), graphs: bool | None = None,
                  window: int = WINDOW, check_every: int = CHECK_EVERY, prefill_tokens: int = PREFILL_TOKENS,
                  packed_gqa: bool = True, pad_id: int = 0, overlap_prefill: bool = True,
-                 prefill_graphs: bool | None = None, decode_attention: str = "mask"):
+                 prefill_graphs: bool | None = None, decode_attention: str = "auto"):
         if batch_size < 1 or max_len < 2 or window < 1 or check_every < 1:
             raise ValueError(f"bad engine shape: batch_size={batch_size}, max_len={max_len}, window={window}, "
                              f"check_every={check_every}")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r}: pick one of {', '.join(DECODE_ATTENTION)}")
-        self.flex = decode_attention == "flex"
+        on_cuda = hf.get_input_embeddings().weight.device.type == "cuda"
+        self.flex = decode_attention == "flex" or (decode_attention == "auto" and on_cuda and packed_gqa)
         # On packed GQA (and flex, whose prefill goes to it) the prefill passes no mask (causal SDPA, see
         # _prefill_device); other attentions get a 4D one.
         if self.flex:
@@ -310,9 +316,16 @@ class Engine:
         if self.flex:
             # One graph per `sampled` (a compiled flex kernel per shape): every row steps, an empty or ended one
             # reads no slot.
+            try:
+                step = self._graphed(self.b, self.max_len, sampled)
+            except Exception as e:  # compiling or capturing the flex step failed: the masked step, same tokens
+                self.flex = False
+                log.warning(f"regeneration: the flex decoding step failed to build ({type(e).__name__}: "
+                            f"{str(e)[:200]}); decoding with the masked step from now on (slower, same tokens)")
+                return self._launch(occupied, stats)
             for j in range(self.check_every):
                 ends = [min(self._plen[r] + self._t - self._since[r], self._cap[r]) for r in occupied]
-                self._graphed(self.b, self.max_len, sampled)()
+                step()
                 self._t += 1
                 stats.kv_slots_read += self._rows_mask.slots_read(ends)
             stats.steps += self.check_every
@@ -496,10 +509,12 @@ class Engine:
             # cache slots it wrote are rewritten by the real step (the same token at the same slot) or never seen.
             state = [t.clone() for t in (self.tok, self.pos, self.count, self.finished, self.out)] if self.graphs \
                 else None
-            step = GraphedStep(fn, self.graphs, pool=self._pool)
-            if state is not None:
-                for t, saved in zip((self.tok, self.pos, self.count, self.finished, self.out), state):
-                    t.copy_(saved)
+            try:
+                step = GraphedStep(fn, self.graphs, pool=self._pool)
+            finally:  # also when the capture fails (the caller may fall back to another step)
+                if state is not None:
+                    for t, saved in zip((self.tok, self.pos, self.count, self.finished, self.out), state):
+                        t.copy_(saved)
             self._steps[key] = step
         return step
 

@@ -81,14 +81,16 @@ _compiled_flex = None
 
 
 def _flex_kernel(device: torch.device):
-    """flex_attention, compiled on CUDA (the fused kernels; eager flex materialises the scores), eager elsewhere."""
+    """flex_attention, compiled on CUDA (the fused kernels; eager flex materialises the scores), eager elsewhere.
+    Its kernel configs autotuned once per shape (a few seconds): measured 1.4-1.8x faster than the default config
+    for the engine's decode step on an H200 (docs/BENCHMARKS.md, "Regeneration engine")."""
     from torch.nn.attention.flex_attention import flex_attention
 
     global _compiled_flex
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        _compiled_flex = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
     return _compiled_flex
 
 
