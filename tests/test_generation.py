@@ -112,6 +112,19 @@ def test_engine_decode_attention_is_checked(hf):
     assert Engine(hf, 2, 32).flex is False  # auto: the masked step on a CPU
 
 
+def test_engines_of_either_attention_share_one_model(hf, cases):
+    """A flex engine switches the model to its attention; a masked engine built after it switches it back to packed
+    GQA (its mask-free prefill included) and still gives the greedy answers."""
+    prompts, news, refs, _ = cases
+    reqs = [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))]
+    Engine(hf, 2, 64, decode_attention="flex")
+    assert hf.config._attn_implementation == "row_length_flex"
+    masked = Engine(hf, 3, 64, window=8, decode_attention="mask")
+    assert hf.config._attn_implementation == "packed_gqa_sdpa" and masked._causal_prefill
+    got = run_engine(masked, reqs)
+    assert [got[i] for i in range(len(prompts))] == refs
+
+
 def test_engine_reused_small_prefill_chunks_and_max_len_boundary(hf):
     """One engine, several runs; prefill chunks of one request each; a request filling the cache exactly (prompt +
     max_new_tokens = max_len) and one that does not fit (an error, not a wrong answer)."""

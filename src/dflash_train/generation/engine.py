@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..inference.attention import RowLengthMask, restore_sdpa, use_packed_gqa, use_row_length_flex
+from ..inference.attention import SDPA_NAMES, RowLengthMask, restore_sdpa, use_packed_gqa, use_row_length_flex
 from ..models.cuda_graph import GraphedStep, resolve_graphs
 from ..inference.decoding import device_sync
 from ..inference.target_runner import StaticKVCache, cache_kwarg_name
@@ -212,7 +212,9 @@ class Engine:
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r}: pick one of {', '.join(DECODE_ATTENTION)}")
         on_cuda = hf.get_input_embeddings().weight.device.type == "cuda"
-        self.flex = decode_attention == "flex" or (decode_attention == "auto" and on_cuda and packed_gqa)
+        on_sdpa = getattr(hf.config, "_attn_implementation", None) in SDPA_NAMES
+        # auto takes flex only where it can (a model on another attention keeps its masked step)
+        self.flex = decode_attention == "flex" or (decode_attention == "auto" and on_cuda and packed_gqa and on_sdpa)
         # On packed GQA (and flex, whose prefill goes to it) the prefill passes no mask (causal SDPA, see
         # _prefill_device); other attentions get a 4D one.
         if self.flex:

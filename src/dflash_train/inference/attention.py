@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 NAME = "packed_gqa_sdpa"  # no "flash" in it: transformers treats any such name as a flash-attention kernel
+ROW_FLEX_NAME = "row_length_flex"  # the regeneration engine's decode: see "row-length decode" below
+SDPA_NAMES = ("sdpa", NAME, ROW_FLEX_NAME)  # the implementations that run SDPA (or can switch between these)
 MAX_PACKED_ROWS = 256  # query rows per K/V head up to which packing pays (decode: rep x 1, verification: rep x B)
 
 
@@ -53,7 +55,7 @@ def use_packed_gqa(hf) -> bool:
     impl = getattr(hf.config, "_attn_implementation", None)
     if impl == NAME:
         return True
-    if impl != "sdpa":
+    if impl not in ("sdpa", ROW_FLEX_NAME):  # the regeneration engine's flex decode runs SDPA for the rest
         return False
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, packed_gqa_attention)
@@ -62,8 +64,8 @@ def use_packed_gqa(hf) -> bool:
 
 
 def restore_sdpa(hf) -> None:
-    """Undo use_packed_gqa (a model handed back to code that checks for 'sdpa' by name)."""
-    if getattr(hf.config, "_attn_implementation", None) == NAME:
+    """Undo use_packed_gqa or use_row_length_flex (a model handed back to code that checks for 'sdpa' by name)."""
+    if getattr(hf.config, "_attn_implementation", None) in (NAME, ROW_FLEX_NAME):
         hf.set_attn_implementation("sdpa")
 
 
@@ -76,7 +78,6 @@ def restore_sdpa(hf) -> None:
 # slots past it inside its last tile. The BlockMask comes in as the 4D `attention_mask` (transformers passes 4D
 # masks through untouched); any other call (the prefill) goes to packed_gqa_attention.
 
-ROW_FLEX_NAME = "row_length_flex"
 _compiled_flex = None
 
 
@@ -117,7 +118,7 @@ def use_row_length_flex(hf) -> bool:
     impl = getattr(hf.config, "_attn_implementation", None)
     if impl == ROW_FLEX_NAME:
         return True
-    if impl not in ("sdpa", NAME):
+    if impl not in SDPA_NAMES:
         return False
     if ROW_FLEX_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ROW_FLEX_NAME, row_length_attention)
