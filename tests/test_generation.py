@@ -107,9 +107,9 @@ def test_engine_flex_sampled_answers_equal_the_masked_ones(hf, cases):
 
 
 def test_engine_decode_attention_is_checked(hf):
-    with pytest.raises(ValueError, match="pick one of auto, mask, flex"):
+    with pytest.raises(ValueError, match="pick one of mask, flex"):
         Engine(hf, 2, 32, decode_attention="paged")
-    assert Engine(hf, 2, 32).flex is False  # auto: the masked step on a CPU
+    assert Engine(hf, 2, 32).flex is False  # None: the masked step on a CPU
 
 
 def test_engines_of_either_attention_share_one_model(hf, cases):

@@ -66,10 +66,10 @@ MIN_PREFILL_SLOTS = 16   # the smallest slot bucket of a prefill forward (prompt
 MAX_AUTO_BATCH = 768     # the largest batch measured on real data (docs/dev-log.md section 11: SmolLM2 on an H200)
 CPU_BATCH = 8            # `--batch-size auto` on a CPU
 # How a decoding step attends: "mask" (every stepped row reads the first `visible` slots, cuDNN's masked SDPA) or
-# "flex" (each row reads its own 128-slot tiles; inference/attention.RowLengthMask); "auto" = flex on CUDA, mask
+# "flex" (each row reads its own 128-slot tiles; inference/attention.RowLengthMask); None = flex on CUDA, mask
 # elsewhere. Measured on an H200 (docs/BENCHMARKS.md, "Regeneration engine"): flex reads 1.24-1.39x the K/V the rows
 # need instead of 2.5-2.95x and, autotuned, ran the engine at 1.15-1.43x the tokens/s of the masked step.
-DECODE_ATTENTION = ("auto", "mask", "flex")
+DECODE_ATTENTION = ("mask", "flex")
 
 _M32 = 0xFFFFFFFF
 
@@ -205,16 +205,17 @@ class Engine:
     def __init__(self, hf, batch_size: int, max_len: int, stop_ids=(), graphs: bool | None = None,
                  window: int = WINDOW, check_every: int = CHECK_EVERY, prefill_tokens: int = PREFILL_TOKENS,
                  packed_gqa: bool = True, pad_id: int = 0, overlap_prefill: bool = True,
-                 prefill_graphs: bool | None = None, decode_attention: str = "auto"):
+                 prefill_graphs: bool | None = None, decode_attention: str | None = None):
         if batch_size < 1 or max_len < 2 or window < 1 or check_every < 1:
             raise ValueError(f"bad engine shape: batch_size={batch_size}, max_len={max_len}, window={window}, "
                              f"check_every={check_every}")
-        if decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention={decode_attention!r}: pick one of {', '.join(DECODE_ATTENTION)}")
+        if decode_attention is not None and decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r}: pick one of {', '.join(DECODE_ATTENTION)} "
+                             "(or None: flex on CUDA)")
         on_cuda = hf.get_input_embeddings().weight.device.type == "cuda"
         on_sdpa = getattr(hf.config, "_attn_implementation", None) in SDPA_NAMES
-        # auto takes flex only where it can (a model on another attention keeps its masked step)
-        self.flex = decode_attention == "flex" or (decode_attention == "auto" and on_cuda and packed_gqa and on_sdpa)
+        # None takes flex only where it can (a model on another attention keeps its masked step)
+        self.flex = decode_attention == "flex" or (decode_attention is None and on_cuda and packed_gqa and on_sdpa)
         # On packed GQA (and flex, whose prefill goes to it) the prefill passes no mask (causal SDPA, see
         # _prefill_device); other attentions get a 4D one.
         if self.flex:
