@@ -6,15 +6,18 @@ bundled prompts/openers.txt or a file of the user's), and the target writes the 
 
   chat template on a sentinel user message -> the "pre-query" prefix: the template's tokens before the content
     -> per row: nothing, or an opener (a kind uniformly, then an opener of that kind): pick_openers
-    -> sampled continuations in batches (temperature, stop at the end-of-turn token), one function: sample_user_turns
+    -> sampled continuations (temperature, stop at the end-of-turn token) by the continuous-batching engine
+       (generation/engine.py): a row that ends takes the next batch's next row at once, so a batch costs its rows'
+       own lengths, not max_new_tokens each
     -> filtered: empty, truncated (no end of turn within max_new_tokens), too short, non-printable, special tokens
        inside, duplicates (normalised text, also of the prompts already in the file)
     -> {"id": "self_<n>", "messages": [{"role": "user", "content": opener + continuation}], "batch": j} JSONL,
        flushed per batch; with steering also "kind" (the opener's, or "free" for a row from the bare prefix)
 
-Reproducible per seed: batch j picks its openers and samples with its own generator seeded from (seed, j), and
-prompts are kept in batch order, so the first k prompts of a file do not depend on how many were asked for or where
-a run was resumed.
+Reproducible per seed: batch j picks its openers with its own generator seeded from (seed, j), row i of it samples
+with its own seed from (seed, j, i) (the engine's sampled tokens depend on that seed only, not on what ran beside
+them), and batches are judged and kept in batch order once all their rows are back, so the first k prompts of a
+file do not depend on how many were asked for or where a run was resumed.
 Resumable: a rerun drops the records of the file's last batch (a crash may have cut them) and samples again from
 that batch on. A side file `<out>.meta.json` records the settings (the batch size too: it changes what a batch
 draws; the openers by their sha1); a file written with other settings is never silently extended.
@@ -44,8 +47,8 @@ from ..data.conversations import special_token_ids
 from ..data.sidecar import check_settings_file
 from ..data.sources import Conversation
 from ..errors import UserError
-from ..inference.baseline import BatchGenerator
 from ..inference.benchmark import stop_token_ids
+from .engine import Engine, Request
 
 log = logging.getLogger("dflash_train")
 
@@ -56,6 +59,7 @@ MAX_SAMPLED = 4       # sampling gives up after MAX_SAMPLED x the wanted number 
                       # usable prompts must not sample forever)
 OPENERS_PATH = Path(__file__).resolve().parent.parent / "prompts" / "openers.txt"  # data.self_prompt_openers=builtin
 FREE = "free"         # the kind recorded for a row sampled from the bare prefix
+SAMPLER = "engine-row-seed"  # each row sampled by the engine with its own seed (row_seed); recorded in meta.json
 
 
 @dataclass
@@ -78,6 +82,7 @@ class SelfPromptSettings:
     min_chars: int = MIN_CHARS
     openers: dict[str, list[str]] = field(default_factory=dict)  # kind -> openers (read_openers); {} = plain Magpie
     steered: float = 0.0   # the share of rows that start from an opener
+    sampler: str = SAMPLER  # how rows draw their tokens: a file sampled otherwise is not extended
 
     @property
     def steering(self) -> bool:
@@ -201,15 +206,6 @@ def pick_openers(openers: dict[str, list[str]], share: float, rows: int,
     return picks
 
 
-def sample_user_turns(hf, prompts: list[list[int]], max_new_tokens: int, stop_ids, temperature: float,
-                      generator: torch.Generator, pad_id: int = 0, runner=None) -> list[list[int]]:
-    """Sampled continuations of the prompts (prefix ids, plus an opener's; each ends after its first stop token,
-    kept; a row that reached max_new_tokens first has none). The one place self-prompts are decoded: swap the engine
-    here. runner: a BatchGenerator built for rows x (longest prompt + max_new_tokens), reused across calls."""
-    runner = runner or BatchGenerator(hf, len(prompts), max(map(len, prompts)) + max_new_tokens)
-    return runner.generate(prompts, max_new_tokens, stop_ids, temperature, generator, pad_id)
-
-
 def normalised(text: str) -> str:
     """The duplicate key: casefolded words, punctuation and spacing ignored."""
     return " ".join(re.findall(r"\w+", text.casefold()))
@@ -232,9 +228,32 @@ def judge(tokens: list[int], text: str, stop_ids: set[int], special_ids: set[int
 
 
 def batch_generator(seed: int, batch: int, device) -> torch.Generator:
-    """Batch `batch`'s own generator: the same draws whether or not the run was resumed before it."""
+    """Batch `batch`'s own generator (its openers): the same draws whether or not the run was resumed before it."""
     h = int.from_bytes(hashlib.sha1(f"self_prompts:{seed}:{batch}".encode()).digest()[:8], "big")
     return torch.Generator(device=device).manual_seed(h)
+
+
+def row_seed(seed: int, batch: int, row: int) -> int:
+    """The sampling seed of row `row` of batch `batch`."""
+    return int.from_bytes(hashlib.sha1(f"self_prompts:{seed}:{batch}:{row}".encode()).digest()[:8], "big")
+
+
+class _Either:
+    """Set when any of the events is (the engine's `stop`)."""
+
+    def __init__(self, *events):
+        self.events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+
+@dataclass
+class _Batch:
+    picks: list             # each row's (kind, opener) or None
+    heads: list[list[int]]  # each row's opener ids
+    rows: list              # each row's sampled tokens, None until it is back
+    left: int               # rows not back yet
 
 
 def _check_settings(out_path: Path, settings: SelfPromptSettings, replace: bool) -> None:
@@ -269,7 +288,8 @@ def _resume(out_path: Path, count: int) -> tuple[list[dict], int | None]:
 def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings: SelfPromptSettings,
                        replace: bool = False, stop: threading.Event | None = None) -> SelfPromptStats:
     """Sample until out_path holds `count` self-written prompts (or MAX_SAMPLED x count rows were sampled in all);
-    appended, flushed after every batch, resumable. A set `stop` ends sampling before the next batch."""
+    appended a batch at a time (in batch order, flushed), resumable. A set `stop` ends sampling at the engine's next
+    check; the batches not complete by then are not written (a rerun samples them again)."""
     out_path = Path(out_path)
     tpl = user_turn_template(tokenizer)
     stop_ids = {tpl.end_id, *stop_token_ids(hf, tokenizer)}
@@ -289,18 +309,31 @@ def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings
     opener_ids = {(kind, o): tokenizer(tpl.gap + o, add_special_tokens=False)["input_ids"]
                   for kind, pool in settings.openers.items() for o in pool} if settings.steering else {}
     longest = max(map(len, opener_ids.values()), default=0)
-    runner = BatchGenerator(hf, b, len(tpl.prefix_ids) + longest + settings.max_new_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    engine = Engine(hf, b, len(tpl.prefix_ids) + longest + settings.max_new_tokens, stop_ids=sorted(stop_ids),
+                    pad_id=pad_id)
+    pending: dict[int, _Batch] = {}
+    enough = threading.Event()  # the file holds `count`: the batches still out are not needed
+    until = _Either(stop, enough)
     with open(out_path, "a", encoding="utf-8") as f:
-        while stats.kept < count and batch < last_batch and not (stop is not None and stop.is_set()):
-            generator = batch_generator(settings.seed, batch, device)
-            picks = pick_openers(settings.openers, settings.steered, b, generator)
-            heads = [opener_ids[p] if p else [] for p in picks]  # the opener's ids of each row
-            rows = sample_user_turns(hf, [tpl.prefix_ids + h for h in heads], settings.max_new_tokens,
-                                     sorted(stop_ids), settings.temperature, generator, pad_id, runner)
-            stats.sampled += len(rows)
+
+        def requests() -> Iterator[Request]:
+            """Batch after batch, pulled lazily by the engine (up to a batch's worth ahead of its free rows)."""
+            for j in range(batch, last_batch):
+                if until.is_set():
+                    return
+                picks = pick_openers(settings.openers, settings.steered, b, batch_generator(settings.seed, j, device))
+                heads = [opener_ids[p] if p else [] for p in picks]  # the opener's ids of each row
+                pending[j] = _Batch(picks, heads, [None] * b, b)
+                for i, head in enumerate(heads):
+                    yield Request((j, i), tpl.prefix_ids + head, settings.max_new_tokens, settings.temperature,
+                                  seed=row_seed(settings.seed, j, i))
+
+        def keep(j: int, got: _Batch) -> None:
+            """Judge batch j's rows (in order: duplicates are against what came before) and append the kept ones."""
+            stats.sampled += len(got.rows)
             lines = []
-            for pick, head, tokens in zip(picks, heads, rows):
+            for pick, head, tokens in zip(got.picks, got.heads, got.rows):
                 body = tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
                 own = tokenizer.decode(body, skip_special_tokens=False).strip()
                 text = tokenizer.decode(head + body, skip_special_tokens=False).strip() if head else own
@@ -316,7 +349,7 @@ def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings
                     stats.dropped[reason] += 1
                     continue
                 seen.add(key)
-                record = {"id": f"self_{stats.kept}", "messages": [{"role": "user", "content": text}], "batch": batch}
+                record = {"id": f"self_{stats.kept}", "messages": [{"role": "user", "content": text}], "batch": j}
                 if settings.steering:
                     record["kind"] = pick[0] if pick else FREE
                     stats.kinds[record["kind"]] += 1
@@ -325,7 +358,19 @@ def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings
                 stats.written += 1
             f.write("".join(lines))
             f.flush()
-            batch += 1
+            if stats.kept >= count:
+                enough.set()
+
+        def on_done(req: Request, tokens: list[int]) -> None:
+            j, i = req.key
+            pending[j].rows[i] = tokens
+            pending[j].left -= 1
+            while next_batch[0] in pending and pending[next_batch[0]].left == 0 and not enough.is_set():
+                keep(next_batch[0], pending.pop(next_batch[0]))
+                next_batch[0] += 1
+
+        next_batch = [batch]  # the next batch to judge: batches are kept in order
+        engine.run(requests(), on_done, stop=until)
     log.info(stats.line())
     if stats.kept < count:
         log.warning(f"only {stats.kept} of the {count} self-written prompts asked for passed the filters after "
