@@ -325,4 +325,5 @@ if __name__ == "__main__":
     what = sys.argv[1:] or ["generate", "target", "drafter"]
     with torch.no_grad():
         for w in what:
-            {"generate": profile_generate, "engine": profile_engine, "flexstep": profile_flexstep, "target": profile_target, "drafter": profile_drafter}[w]()
+            {"generate": profile_generate, "engine": profile_engine, "flexstep": profile_flexstep,
+             "target": profile_target, "drafter": profile_drafter}[w]()

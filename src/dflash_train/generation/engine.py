@@ -188,7 +188,8 @@ class _PrefillInputs:
         """Copy host values in, queued on the stream from pinned memory on CUDA: a copy from pageable memory would
         first wait for every step already queued (and undo overlap_prefill)."""
         pin = self.ids.device.type == "cuda"
-        for name, host in [("ids", ids)] + [(k, torch.tensor(v, dtype=getattr(self, k).dtype)) for k, v in rows.items()]:
+        hosts = [("ids", ids)] + [(k, torch.tensor(v, dtype=getattr(self, k).dtype)) for k, v in rows.items()]
+        for name, host in hosts:
             getattr(self, name).copy_(host.pin_memory() if pin else host, non_blocking=pin)
 
 
@@ -277,7 +278,8 @@ class Engine:
             stop=None) -> EngineStats:
         """Decode every request of `requests` (pulled lazily, at most batch_size ahead of the free rows) and of
         submit(); on_done(request, tokens) for each after it ends (at the first check that sees it ended, once
-        the next steps are queued: see the module docstring). A set `stop` (threading.Event) ends the run at the next check: the requests that ended get
+        the next steps are queued: see the module docstring). A set `stop` (anything with is_set(), e.g. a
+        threading.Event) ends the run at the next check: the requests that ended get
         on_done, those in flight or pulled ahead are dropped."""
         stats = EngineStats()
         source = iter(requests)
@@ -423,7 +425,8 @@ class Engine:
         pad = nb - n
         inputs.fill(ids=ids, rows=rows + [self.spare] * pad, lens=lens + [1] * pad,
                     temp=[float(r.temperature) for r in reqs] + [0.0] * pad,
-                    seed=[_seed64(r.seed) for r in reqs] + [0] * pad, limit=[r.max_new_tokens for r in reqs] + [1] * pad)
+                    seed=[_seed64(r.seed) for r in reqs] + [0] * pad,
+                    limit=[r.max_new_tokens for r in reqs] + [1] * pad)
         if key not in self._prefills:
             # The warm-up before the capture runs the prefill for real: harmless, it is idempotent (it writes the
             # same slots and state as the replay that follows).

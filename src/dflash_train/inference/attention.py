@@ -139,7 +139,7 @@ class RowLengthMask:
         self._tile_idx = torch.arange(self.n_tiles, dtype=torch.int32, device=ends.device).repeat(ends.shape[0], 1)
         ends_, done_ = ends, done
 
-        def upto_end(b, h, q_idx, kv_idx):  # the tile counts say the same: here for eager flex, which reads them not
+        def upto_end(b, h, q_idx, kv_idx):  # what the tile counts say, per slot (eager flex reads only this)
             return (kv_idx <= ends_[b]) & ~done_[b]
 
         self.mask_mod = upto_end
