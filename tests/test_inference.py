@@ -228,6 +228,30 @@ def test_packed_gqa_attention_equals_hf_sdpa(q):
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
 
 
+def test_row_length_attention_reads_each_rows_own_tiles():
+    """The flex decode's BlockMask: row r attends to slots 0..ends[r] (tile counts ceil((ends + 1) / tile), none for
+    an ended row, whose output is zero), equal to masked SDPA over the same slots, and the K/V it counts as read."""
+    import torch.nn.functional as F
+
+    from dflash_train.inference.attention import RowLengthMask, row_length_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, H, Hkv, d, L, tile = 6, 6, 2, 16, 40, 8
+    query, key, value = (torch.randn(b, h, n, d, generator=g) for h, n in ((H, 1), (Hkv, L), (Hkv, L)))
+    ends = torch.tensor([0, 7, 8, 20, 39, 5, 0])  # one row more than stepped, as the engine's spare row
+    done = torch.tensor([False, False, False, False, False, True, False])
+    rows = RowLengthMask(ends, done, L, tile=tile)
+    mask = rows.block_mask(b)
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 2, 3, 5, 0]
+    out, _ = row_length_attention(None, query, key, value, mask, scaling=0.25)
+    visible = (torch.arange(L)[None] <= ends[:b, None])[:, None, None]
+    ref = F.scaled_dot_product_attention(query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1),
+                                         attn_mask=visible, scale=0.25).transpose(1, 2)
+    torch.testing.assert_close(out[:5], ref[:5], atol=1e-6, rtol=1e-6)
+    assert (out[5] == 0).all()
+    assert rows.slots_read([0, 7, 8, 39]) == 8 + 8 + 16 + 40  # whole tiles, the last one cut at the slots
+
+
 def test_runners_switch_sdpa_models_to_packed_gqa_only(tiny_qwen3):
     from dflash_train.inference.attention import NAME
 
