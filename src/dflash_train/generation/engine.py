@@ -213,10 +213,11 @@ class Engine:
         if decode_attention is not None and decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r}: pick one of {', '.join(DECODE_ATTENTION)} "
                              "(or None: flex on CUDA)")
-        on_cuda = hf.get_input_embeddings().weight.device.type == "cuda"
+        emb = hf.get_input_embeddings().weight
         on_sdpa = getattr(hf.config, "_attn_implementation", None) in SDPA_NAMES
         # None takes flex only where it can (a model on another attention keeps its masked step)
-        self.flex = decode_attention == "flex" or (decode_attention is None and on_cuda and packed_gqa and on_sdpa)
+        self.flex = decode_attention == "flex" or (decode_attention is None and emb.device.type == "cuda"
+                                                   and packed_gqa and on_sdpa)
         # On packed GQA (and flex, whose prefill goes to it) the prefill passes no mask (causal SDPA, see
         # _prefill_device); other attentions get a 4D one.
         if self.flex:
@@ -231,7 +232,6 @@ class Engine:
             self._causal_prefill = False
         self.hf = hf.eval()
         self.base, self.head = getattr(hf, hf.base_model_prefix), hf.get_output_embeddings()
-        emb = hf.get_input_embeddings().weight
         self.device = dev = emb.device
         self.graphs = resolve_graphs(graphs, dev)
         self.prefill_graphs = self.graphs if prefill_graphs is None else resolve_graphs(prefill_graphs, dev)
@@ -316,37 +316,36 @@ class Engine:
     # ------------------------------------------------------------------------------------------ host side
 
     def _launch(self, occupied: list[int], stats: EngineStats) -> None:
-        """Queue check_every steps of the rows up to the highest occupied one (no host sync)."""
+        """Queue check_every steps of the rows up to the highest occupied one (no host sync); with flex, of every
+        row (one graph per `sampled`: an empty or ended row reads no slot)."""
         sampled = any(self._req[r].temperature > 0 for r in occupied)
         if self.flex:
-            # One graph per `sampled` (a compiled flex kernel per shape): every row steps, an empty or ended one
-            # reads no slot.
-            try:
-                step = self._graphed(self.b, self.max_len, sampled)
-            except Exception as e:  # compiling or capturing the flex step failed: the masked step, same tokens
-                self.flex = False
-                log.warning(f"regeneration: the flex decoding step failed to build ({type(e).__name__}: "
-                            f"{str(e)[:200]}); decoding with the masked step from now on (slower, same tokens)")
-                return self._launch(occupied, stats)
-            for j in range(self.check_every):
-                ends = [min(self._plen[r] + self._t - self._since[r], self._cap[r]) for r in occupied]
-                step()
-                self._t += 1
-                stats.kv_slots_read += self._rows_mask.slots_read(ends)
-            stats.steps += self.check_every
-            stats.row_steps += self.check_every * self.b
-            return
-        bucket = min(self.b, 1 << (max(occupied)).bit_length())
+            self._build_flex_step(sampled)
+        bucket = self.b if self.flex else min(self.b, 1 << (max(occupied)).bit_length())
         # Slot bounds: a live row advances one slot a step up to its cap; an ended one stays put.
-        reach = max(min(self._plen[r] + self._t - self._since[r], self._cap[r]) for r in occupied)
-        cap = max(self._cap[r] for r in occupied)
+        start = [(self._plen[r] + self._t - self._since[r], self._cap[r]) for r in occupied]
+        reach, cap = max(min(p, c) for p, c in start), max(c for _, c in start)
         for j in range(self.check_every):
-            visible = min(self.max_len, -(-(min(reach + j, cap) + 1) // self.window) * self.window)
-            self._graphed(bucket, visible, sampled)()
+            if self.flex:
+                self._graphed(bucket, self.max_len, sampled)()
+                stats.kv_slots_read += self._rows_mask.slots_read([min(p + j, c) for p, c in start])
+            else:
+                visible = min(self.max_len, -(-(min(reach + j, cap) + 1) // self.window) * self.window)
+                self._graphed(bucket, visible, sampled)()
+                stats.kv_slots_read += bucket * visible
             self._t += 1
-            stats.kv_slots_read += bucket * visible
         stats.steps += self.check_every
         stats.row_steps += self.check_every * bucket
+
+    def _build_flex_step(self, sampled: bool) -> None:
+        """Build (once) the flex step; if compiling or capturing it fails, decode with the masked step from now on
+        (the same tokens, slower) and say so once."""
+        try:
+            self._graphed(self.b, self.max_len, sampled)
+        except Exception as e:  # noqa: BLE001 - any build failure has the same remedy
+            self.flex = False
+            log.warning(f"regeneration: the flex decoding step failed to build ({type(e).__name__}: "
+                        f"{str(e)[:200]}); decoding with the masked step from now on (slower, same tokens)")
 
     def _prefetch(self, source) -> None:
         """Pull up to batch_size requests ahead, so that building them (chat templates, tokenizing) overlaps the

@@ -361,15 +361,17 @@ def write_self_prompts(hf, tokenizer, out_path: str | Path, count: int, settings
             if stats.kept >= count:
                 enough.set()
 
+        next_batch = batch  # the next batch to judge: batches are kept in order
+
         def on_done(req: Request, tokens: list[int]) -> None:
+            nonlocal next_batch
             j, i = req.key
             pending[j].rows[i] = tokens
             pending[j].left -= 1
-            while next_batch[0] in pending and pending[next_batch[0]].left == 0 and not enough.is_set():
-                keep(next_batch[0], pending.pop(next_batch[0]))
-                next_batch[0] += 1
+            while next_batch in pending and pending[next_batch].left == 0 and not enough.is_set():
+                keep(next_batch, pending.pop(next_batch))
+                next_batch += 1
 
-        next_batch = [batch]  # the next batch to judge: batches are kept in order
         engine.run(requests(), on_done, stop=until)
     log.info(stats.line())
     if stats.kept < count:
