@@ -11,7 +11,8 @@
 #   setsid nohup bash benchmarks/gpu_variants.sh regen ce kd50 > /tmp/dflash/variants.log 2>&1 < /dev/null &
 # Variants: ce (the demo's recipe, DFlash v1), v2 (the same as a DFlash 2 drafter: model.architecture=dflash2 with
 # its default conv / selector sizes), kd50 (train.kd_weight=0.5), kd100 (kd_weight=1), deep (8 draft layers),
-# anchors2k (2,048 anchors per row), lr1e3 (lr 1e-3). v1 against v2 at the same data and budget:
+# anchors2k (2,048 anchors per row), lr1e3 (lr 1e-3), tinit (the drafter's layers
+# copied from the target's last ones: model.drafter_layer_init=target). v1 against v2 at the same data and budget:
 #   PARALLEL=1 TRAIN_MIN=2.5 bash benchmarks/gpu_variants.sh ce v2
 set -u
 export PYTHONPATH=/tmp/site:${SRC:-/tmp/dflash/src} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -46,6 +47,7 @@ variant_args() {
     deep) echo "model.num_draft_layers=8" ;;
     anchors2k) echo "train.num_anchors=2048" ;;
     lr1e3) echo "train.lr=1e-3" ;;
+    tinit) echo "model.drafter_layer_init=target" ;;
     *) echo "unknown variant $1" >&2; return 2 ;;
   esac
 }

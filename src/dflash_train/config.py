@@ -55,6 +55,12 @@ class ModelConfig:
     mask_token_id: int | None = _f(None, "Token id whose embedding marks 'to be predicted'. Empty = the "
                                          "tokenizer's mask token, else a reserved/unused special token.")
     drafter_init: str | None = _f(None, "Start from this saved drafter directory instead of random weights.")
+    drafter_layer_init: str = _f("random", "How a new drafter's layers start: random (normal, std 0.02) | target "
+                                           "(each a copy of one of the target's last layers, the final norm the "
+                                           "target's, the context projection the identity on the deepest tap; "
+                                           "needs a drafter as wide "
+                                           "as the target, the default). Ignored with model.drafter_init or on "
+                                           "resume.")
     target_attention: str = _f("sdpa", "How the target's training forward keeps packed documents apart: sdpa (dense "
                                        "[T, T] boolean mask; keeps SDPA off its flash kernel) | flex (a flex-attention "
                                        "BlockMask that skips empty tiles; exact, and faster "
@@ -98,6 +104,8 @@ class ModelConfig:
         if self.block_size < 2:
             raise ConfigError(f"model.block_size must be at least 2 (got {self.block_size}): a block is the "
                               "anchor token plus at least one drafted token.")
+        if self.drafter_layer_init not in ("random", "target"):
+            raise ConfigError(f"model.drafter_layer_init must be random or target (got {self.drafter_layer_init!r}).")
         if self.architecture not in ("dflash", "dflash2"):
             raise ConfigError(f"model.architecture must be dflash or dflash2 (got {self.architecture!r}).")
         for key in ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank"):

@@ -9,7 +9,7 @@ import torch
 from ..config import ConfigError, ModelConfig
 from .drafter import DFlashDrafter, build_drafter_config
 from .drafter2 import DFlash2Drafter, Drafter2Config
-from .target import TargetInfo, default_layer_ids
+from .target import TargetInfo, default_layer_ids, load_causal_lm, resolve_target_path
 
 log = logging.getLogger("dflash_train")
 _RESERVED_HINTS = ("mask", "reserved", "unused")
@@ -109,3 +109,81 @@ def init_output_norm(drafter: DFlashDrafter, head_w: torch.Tensor) -> float:
     gain = 1.0 / head_w.float().norm(dim=1).mean().clamp_min(1e-6).item()
     drafter.norm.weight.fill_(gain)
     return gain
+
+
+# A target decoder layer's parameters that a drafter layer has under the same name (Llama, Qwen2/3, Mistral names;
+# q_norm/k_norm only where the target has them: a Llama target leaves the drafter's at ones).
+_LAYER_PARAMS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+                 "input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+FINAL_NORM = "model.norm.weight"
+
+
+def source_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The target layers a drafter's layers start from: the last ones, in order (they already turn hidden states
+    into what the final norm and the LM head read); every target layer, repeating the last, if the drafter is
+    deeper than the target."""
+    first = max(0, num_target_layers - num_draft_layers)
+    return [min(first + i, num_target_layers - 1) for i in range(num_draft_layers)]
+
+
+def _target_layer_tensors(target: str | None, layers: list[int]) -> dict[str, torch.Tensor]:
+    """`model.layers.<i>.<param>` tensors of the target for the layers wanted, fp32 on the CPU: read from the
+    directory's safetensors files alone where it has them (a large target is never loaded whole), else (a GGUF file,
+    .bin weights) from the model loaded on the CPU."""
+    path = resolve_target_path(target)
+    wanted = {f"model.layers.{i}.{p}" for i in set(layers) for p in _LAYER_PARAMS} | {FINAL_NORM}
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if files:
+        from safetensors import safe_open
+
+        out = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                out.update({k: st.get_tensor(k).float() for k in st.keys() if k in wanted})
+        return out
+    state = load_causal_lm(target, "cpu", torch.float32).state_dict()
+    return {k: v for k, v in state.items() if k in wanted}
+
+
+@torch.no_grad()
+def init_layers_from_target(drafter: DFlashDrafter, target: str | None) -> list[int]:
+    """model.drafter_layer_init=target: start each drafter layer from one of the target's last layers
+    (source_layers), its final norm from the target's, and the context projection `fc` from the identity on the
+    deepest tapped layer, so that the copied attention first reads the context much as the target's own layer read
+    its hidden states (init_output_norm is then not applied: the copied norm already suits the LM head). Parameters the
+    target lacks (q_norm/k_norm of a Llama target) keep their fresh values. Returns the target layers copied.
+
+    Raises ConfigError when a copied tensor's shape differs (a drafter sized unlike its target, e.g. by
+    model.intermediate_size) or when the target's weights carry no layer parameters under the usual names."""
+    cfg = drafter.config
+    layers = source_layers(cfg.num_target_layers, cfg.num_hidden_layers)
+    tensors = _target_layer_tensors(target, layers)
+    copied = 0
+    for layer, src in zip(drafter.layers, layers):
+        own = dict(layer.named_parameters())
+        for p in _LAYER_PARAMS:
+            t = tensors.get(f"model.layers.{src}.{p}")
+            if t is None or p not in own:
+                continue
+            if t.shape != own[p].shape:
+                raise ConfigError(f"model.drafter_layer_init=target: the target's layer {src} {p} is "
+                                  f"{tuple(t.shape)}, the drafter's {tuple(own[p].shape)}; size the drafter like "
+                                  "the target (leave model.intermediate_size empty) or set "
+                                  "model.drafter_layer_init=random.")
+            own[p].copy_(t)
+            copied += 1
+    if copied == 0:
+        raise ConfigError("model.drafter_layer_init=target: the target's weights have no decoder-layer parameters "
+                          "under the usual names (model.layers.<i>.self_attn.q_proj.weight, ...); set "
+                          "model.drafter_layer_init=random.")
+    if FINAL_NORM in tensors and tensors[FINAL_NORM].shape == drafter.norm.weight.shape:
+        drafter.norm.weight.copy_(tensors[FINAL_NORM])
+    H, k = cfg.hidden_size, cfg.num_feature_layers
+    deepest = max(range(k), key=lambda j: cfg.target_layer_ids[j])  # fc's input is the taps, in target_layer_ids order
+    drafter.fc.weight.zero_()
+    drafter.fc.weight[:, deepest * H:(deepest + 1) * H] = torch.eye(H)
+    return layers

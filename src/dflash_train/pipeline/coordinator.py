@@ -121,7 +121,7 @@ class _Pipeline:
         targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d,
                                attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0)
                    for d in target_devices]
-        if state is None and not cfg.model.drafter_init:
+        if state is None and not cfg.model.drafter_init and cfg.model.drafter_layer_init == "random":
             init_output_norm(init, targets[0].lm_head.weight)  # before replicas copy it: the same on every rank
         # Rank 0's clock alone decides; its decision reaches the other ranks in the next step's all-reduce.
         self.budget = TimeBudget(cfg.train.max_minutes if peers.is_rank0 else None,

@@ -15,7 +15,7 @@ from ..config import Config, ConfigError
 from ..data.dataset import load_dataset
 from ..data.packing import DatasetSplit
 from ..data.packing import BatchSchedule
-from ..models.build import build_drafter
+from ..models.build import build_drafter, init_layers_from_target
 from ..models.checkpoint import load_drafter
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetInfo, load_tokenizer, target_config_info
@@ -96,6 +96,10 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
         drafter = load_drafter(cfg.model.drafter_init).float()
     else:
         drafter = build_drafter(cfg.model, info, tokenizer)
+        if cfg.model.drafter_layer_init == "target":
+            copied = init_layers_from_target(drafter, cfg.model.target)
+            log.info(f"drafter layers start from the target's layers {copied}; fc from the identity on layer "
+                     f"{max(drafter.config.target_layer_ids)}")
     log.info(f"target: {info.model_type}, {info.num_layers} layers, H={info.hidden_size}, vocab {info.vocab_size}; "
              f"drafter: {drafter.config.num_hidden_layers} layers, taps {drafter.config.target_layer_ids}, "
              f"mask id {drafter.config.mask_token_id}, "

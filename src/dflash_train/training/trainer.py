@@ -60,7 +60,7 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
 
     drafter, state = resume_point(cfg.run.resume, ckpt, setup.drafter)
     start_step = state["step"] if state else 0
-    if state is None and not cfg.model.drafter_init:
+    if state is None and not cfg.model.drafter_init and cfg.model.drafter_layer_init == "random":
         init_output_norm(drafter, target.lm_head.weight)
     drafter = drafter.float().to(device).train()
     params = list(drafter.parameters())
