@@ -206,6 +206,24 @@ def test_log_window_estimate_covers_every_block_of_the_window():
         window.take()                                    # taken: the next window starts empty
 
 
+def test_a_window_holding_a_validation_reads_the_training_s_own_speed(monkeypatch):
+    """Time the validator reports (MetricsLogger.exclude) is left out of the window's step time and tokens/s and
+    stated as excluded_s; the next window starts clean. A fake clock: no wall time is measured."""
+    from dflash_train.training import metrics as metrics_mod
+    from dflash_train.training.objective import acceptance_metrics
+
+    clock = iter([0.0, 10.0, 13.0])
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: next(clock))
+    logger = metrics_mod.MetricsLogger(None, total_steps=200, tokens_per_step=1000, log_every=100)
+    window = dict(acceptance_metrics(torch.ones(4, 3, dtype=torch.bool), torch.ones(4, 3, dtype=torch.bool)),
+                  loss=torch.tensor(1.0))
+    logger.exclude(2.0)                              # a validation pass inside the first window
+    first = logger.log(100, window, lr=1e-3)         # 10 s of wall time, 8 of them training
+    second = logger.log(200, window, lr=1e-3)        # 3 s, all training
+    assert (first["step_time_s"], first["tokens_per_s"], first["excluded_s"]) == (0.08, 12500.0, 2.0)
+    assert (second["step_time_s"], second["excluded_s"]) == (0.03, 0.0)
+
+
 def test_importing_changes_no_compile_setting_and_a_compiled_step_applies_the_policy(tiny_llama):
     """Importing the package's modules leaves torch's compile settings alone; a step that compiles first applies the
     policy (trees off for worker threads, donated buffers off for correct grads under per-function CUDA graphs)."""

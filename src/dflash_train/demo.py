@@ -256,7 +256,7 @@ def format_demo_table(d: DemoResult) -> str:
     if data:
         lines.append(f"  data: {data['conversations']:,} conversations, {data['unique_tokens']:,} unique tokens "
                      f"({', '.join(f'{k} {v:.0%}' for k, v in data.get('shares', {}).items()) or 'one source'}); "
-                     f"{data['epochs']:.1f} epochs")
+                     f"{epochs_trained(d):.1f} epochs trained")
     if d.regen:
         lines.append(f"  regeneration: {d.regen['generated_tokens']:,} tokens in {_clock(d.regen['seconds'])} "
                      f"({d.regen['generated_tokens'] / max(d.regen['seconds'], 1e-9):,.0f} tokens/s)")
@@ -270,6 +270,11 @@ def format_demo_table(d: DemoResult) -> str:
                      "much.")
         lines.append("  " + GPU_REFERENCE)
     return "\n".join(lines)
+
+
+def epochs_trained(d: DemoResult) -> float:
+    """Passes over the training rows the steps done made (the time budget may stop the schedule early)."""
+    return d.steps * d.data["batches_per_step"] / d.data["rows_per_epoch"]
 
 
 def run_demo_cli(args) -> int:

@@ -71,6 +71,13 @@ class MetricsLogger:
                     self._tb = None
         self._t0 = time.perf_counter()
         self._last_t, self._last_step = self._t0, start_step
+        self._excluded_s = 0.0  # this window's time on work that is not training (exclude)
+
+    def exclude(self, seconds: float) -> None:
+        """`seconds` of the current window went to work that is not training (a validation pass, timed and reported
+        by training/validation.py): the window's step time and tokens/s leave them out, and its record states them
+        as `excluded_s`, so a window holding a validation reads the training's own speed."""
+        self._excluded_s += seconds
 
     def should_log(self, step: int) -> bool:
         return step % self.log_every == 0 or step == self.total_steps
@@ -79,14 +86,16 @@ class MetricsLogger:
         """step is 1-based (steps done). Reads the device tensors (host sync) and prints one line."""
         now = time.perf_counter()
         steps = max(1, step - self._last_step)
-        dt = (now - self._last_t) / steps
+        excluded, self._excluded_s = self._excluded_s, 0.0
+        dt = max(now - self._last_t - excluded, 0.0) / steps
         self._last_t, self._last_step = now, step
         # Replicas' windows arrive averaged count by count (the ratios are not averaged): derive the ratios here.
         metrics = dict(metrics, **acceptance_from_counts(metrics["counts"].float()))
         acc = metrics["acc"].float().tolist()
         rec = {"split": "train", "step": step, "loss": float(metrics["loss"]), "acc": acc,
                "cond_acc": metrics["cond_acc"].float().tolist(), "tau_est": float(metrics["tau_est"]),
-               "lr": lr, "step_time_s": dt, "tokens_per_s": self.tokens_per_step / dt if dt > 0 else 0.0}
+               "lr": lr, "step_time_s": dt, "tokens_per_s": self.tokens_per_step / dt if dt > 0 else 0.0,
+               "excluded_s": excluded}
         if extra:
             rec.update(extra)
         eta = (self.total_steps - step) * dt
@@ -99,6 +108,8 @@ class MetricsLogger:
             if extra and key in extra:
                 v = extra[key]
                 line += f" | {key} {v:.0%}" if isinstance(v, float) else f" | {key} {v}"
+        if excluded:
+            line += f" | {excluded:.2f}s of validation not counted"
         if extra and extra.get("skipped"):  # steps without an update (non-finite loss, train.nonfinite=skip)
             line += f" | skipped {extra['skipped']}"
         log.info(line)

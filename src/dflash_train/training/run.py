@@ -110,7 +110,8 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
     summary = {"conversations": len(data.train),
                "unique_tokens": data.stats.get("unique_tokens", sum(len(s.input_ids) for s in data.train)),
                "supervised_tokens": sum(sum(s.loss_mask) for s in data.train),
-               "epochs": total_steps * batches_per_step / rows_per_epoch,
+               "epochs": total_steps * batches_per_step / rows_per_epoch,  # the schedule's; a clock may stop it
+               "rows_per_epoch": rows_per_epoch, "batches_per_step": batches_per_step,
                "shares": {Path(r["source"]).stem: r["share"] for r in data.stats.get("sources", [])}}
     line, too_many = data_passes_line(summary["conversations"], summary["unique_tokens"],
                                       summary["supervised_tokens"], summary["epochs"])

@@ -225,6 +225,7 @@ class Validator:
                                                   **({"tau_decoding_by_source": by_source} if by_source else {})})
         self.history.append(rec)
         self._check_memorising()
+        self.logger.exclude(time.perf_counter() - t0)  # training's log window reads training alone
         return rec
 
     # ------------------------------------------------------------------ the best drafter
