@@ -1,0 +1,105 @@
+"""Log windows of the GPU demo's training, without its data step (issue #16, 'no stalls'): every window of
+train.log_every steps against the median, and what each slow one held (a validation, a checkpoint, an epoch
+boundary).
+
+The demo's training settings (demo.py GPU_OVERRIDES: 8,192-token rows, 1,024 anchors, 5 draft layers, flex target
+as a compiled CUDA graph, reduce-overhead drafter step, validation every 500 steps, a checkpoint every 1,000 here)
+on a random-init SmolLM2-shaped target and the synthetic source, whose short epochs (~250 rows) put an epoch
+boundary in every few windows. Weights do not change the speed of a step; the data's document lengths vary less
+than chat data's.
+
+  Run (from the repo root of a GPU machine): PYTHONPATH=src python3 benchmarks/gpu_windows.py [steps]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+WORK = Path("/tmp/dflash_windows")
+LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY = 100, 500, 1000
+
+
+def smollm2_shaped_target(path: Path) -> str:
+    if os.environ.get("SMOKE"):
+        path = path.with_name("tiny_target")
+        if not (path / "config.json").is_file():
+            import torch
+            from transformers import LlamaConfig, LlamaForCausalLM
+            torch.manual_seed(0)
+            LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2,
+                                         vocab_size=128)).save_pretrained(path)
+        return str(path)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                     num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                     max_position_embeddings=8192, tie_word_embeddings=True,
+                                     rope_theta=100000.0)).save_pretrained(path)
+    return str(path)
+
+
+def train(steps: int) -> Path:
+    out = WORK / "run"
+    args = [sys.executable, "-m", "dflash_train.cli", "train", "--config", "smollm2_demo",
+            f"model.target={smollm2_shaped_target(WORK / 'target')}", f"run.out_dir={out}", "run.overwrite=true",
+            "data.source=synthetic", "data.synthetic_samples=2000", "data.synthetic_min_len=200",
+            "data.synthetic_max_len=1800", "data.max_length=2048", "data.max_samples=null",
+            "data.heldout_fraction=0.02", "train.token_budget=8192", "train.num_anchors=1024", "train.lr=2e-3",
+            f"train.max_steps={steps}", "train.max_minutes=null", f"train.log_every={LOG_EVERY}",
+            f"train.eval_every={EVAL_EVERY}", "train.eval_rows=4", f"train.checkpoint_every={CHECKPOINT_EVERY}",
+            "train.final_eval_prompts=0", "model.num_draft_layers=5", "model.target_attention=flex",
+            "model.target_graphs=true", "model.target_compile=default", "pipeline.target_devices=[cuda:0]",
+            "pipeline.drafter_devices=[cuda:0]"]
+    if os.environ.get("SMOKE"):  # the flow on a CPU in seconds: tiny shapes, nothing CUDA-only (no figures)
+        args = [a for a in args if not a.startswith(("train.token_budget", "train.num_anchors", "model.target_",
+                                                     "pipeline.", "model.num_draft_layers", "data.synthetic_"))]
+        args += ["train.token_budget=512", "train.num_anchors=32", "model.num_draft_layers=1",
+                 "data.synthetic_samples=200", "data.synthetic_max_len=96"]
+    with open(WORK / "train.log", "w") as log:
+        subprocess.run(args, check=True, stdout=log, stderr=subprocess.STDOUT)
+    return out
+
+
+def report(out: Path) -> None:
+    recs = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    train = [r for r in recs if r.get("split", "train") == "train" and "tokens_per_s" in r]
+    found = re.search(r"(\d+) rows of \d+ tokens per epoch", (WORK / "train.log").read_text())
+    rows_per_epoch = int(found.group(1)) if found else None
+    print(f"{rows_per_epoch} rows (steps) per epoch")
+    windows = train[1:]  # the first holds the compile and the CUDA graph captures
+    med = statistics.median(r["tokens_per_s"] for r in windows)
+    print(f"median {med:,.0f} tokens/s over {len(windows)} windows of {LOG_EVERY} steps (the first, compiling, "
+          "left out)")
+    within = [r for r in windows if abs(r["tokens_per_s"] / med - 1) <= 0.03]
+    print(f"within 3% of the median: {len(within)} of {len(windows)}")
+    print("step | tokens/s | vs median | validation s left out | what the window held")
+    for r in windows:
+        dev = r["tokens_per_s"] / med - 1
+        held = []
+        first = r["step"] - LOG_EVERY
+        # A validation or a checkpoint at step s runs after step s is logged: in the window that starts there.
+        if first % EVAL_EVERY == 0 and first > 0:
+            held.append("validation")
+        if first % CHECKPOINT_EVERY == 0 and first > 0:
+            held.append("checkpoint")
+        if rows_per_epoch and any(first < s <= r["step"] for s in range(rows_per_epoch, r["step"] + 1,
+                                                                        rows_per_epoch)):
+            held.append("epoch boundary")
+        if abs(dev) > 0.03 or held:
+            print(f"{r['step']} | {r['tokens_per_s']:,.0f} | {dev:+.1%} | {r.get('excluded_s', 0.0):.2f} | "
+                  f"{', '.join(held) or '-'}")
+
+
+if __name__ == "__main__":
+    WORK.mkdir(parents=True, exist_ok=True)
+    report(train(int(sys.argv[1]) if len(sys.argv) > 1 else 3000))
