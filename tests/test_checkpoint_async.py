@@ -2,11 +2,13 @@
 it, at most one write is in flight. Proven here on CPU: a checkpoint holds the state of the step it was taken at
 (not what training changed meanwhile), is complete, atomic and loadable; `best` marked during the write follows it;
 a write's error reaches the next save, wait() or close(), naming the checkpoint; a process SIGKILLed mid-write leaves
-the previous complete checkpoint (or the new complete one), and resume continues from it."""
+the previous complete checkpoint (or the new complete one), and resume continues from it. The snapshot is the
+drafter's config and weights, no module: a DFlash 2 drafter's checkpoint is still DFlash 2's, servable and resumed."""
 
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import signal
@@ -23,6 +25,7 @@ from conftest import STOP_HANG_GUARD_S
 from dflash_train.config import load_config
 from dflash_train.models.build import build_drafter
 from dflash_train.models.checkpoint import CheckpointError
+from dflash_train.models.drafter2 import DFlash2Drafter
 from dflash_train.models.target import target_config_info
 from dflash_train.training import checkpointing
 from dflash_train.training.checkpointing import CheckpointManager, load_training_weights, resume_point
@@ -32,9 +35,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def build_state(target):
+def build_state(target, *overrides):
     """A tiny drafter, its AdamW and LR schedule (also used by the subprocess below)."""
-    cfg = load_config("tiny_cpu", [])
+    cfg = load_config("tiny_cpu", list(overrides))
     drafter = build_drafter(cfg.model, target_config_info(target))
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr)
     return drafter, opt, build_scheduler(opt, cfg.train, 10)
@@ -97,6 +100,21 @@ def test_a_checkpoint_holds_the_state_it_was_taken_at(tiny_llama, tmp_path, monk
     for i, s in state["optimizer"]["state"].items():
         assert all(torch.equal(v, moments[i][k]) for k, v in s.items()), i
     assert state["scheduler"]["last_epoch"] == 1 and sched.state_dict()["last_epoch"] == 2
+
+
+def test_a_dflash2_checkpoint_is_dflash2s_servable_and_resumes_exactly(tiny_llama, tmp_path):
+    drafter, opt, sched = build_state(tiny_llama, "model.architecture=dflash2")
+    assert isinstance(drafter, DFlash2Drafter)
+    train_step(drafter, opt, sched)
+    ckpt = CheckpointManager(tmp_path, run_id="r")
+    path = ckpt.save(1, drafter, opt, sched, data_position=1)
+    ckpt.wait()
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    assert not (path / "modeling_dflash.py").exists() and "DFlash 2" in (path / "serve.txt").read_text()
+    back, _, found = ckpt.load_latest()
+    assert found == path and isinstance(back, DFlash2Drafter)
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
 
 
 def test_one_write_in_flight_and_best_follows_the_write(tiny_llama, tmp_path, monkeypatch):

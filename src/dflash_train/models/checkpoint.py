@@ -25,6 +25,7 @@ from ..errors import UserError
 
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +51,18 @@ DFLASH2_ENGINES = ("# DFlash 2: an SGLang with sgl-project/sglang#35371 and a vL
 
 class CheckpointError(UserError):
     """A drafter directory is missing, incomplete or inconsistent; the message names the file."""
+
+
+@dataclass(frozen=True)
+class DrafterSnapshot:
+    """A drafter's config and a copy of its parameters, without the module: all that save_drafter and
+    save_training_weights read of a drafter (.config, .state_dict()). A step checkpoint saves one, so the training
+    thread that takes the snapshot builds no module."""
+    config: DrafterConfig
+    weights: dict[str, torch.Tensor]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.weights
 
 
 def drafter_config_json(cfg: DrafterConfig, dtype: torch.dtype = torch.float32) -> dict:
@@ -161,25 +174,28 @@ def serve_commands(cfg: DrafterConfig, drafter: str = "DRAFTER", target: str = "
             f"vllm serve {target} --dtype {d} --speculative-config '{spec}'\n")
 
 
-def save_drafter(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = SERVE_DTYPE) -> Path:
+def save_drafter(drafter: DFlashDrafter | DrafterSnapshot, out_dir: str | Path,
+                 dtype: torch.dtype = SERVE_DTYPE) -> Path:
     """Write the servable drafter (module docstring) into out_dir (created), weights in `dtype`. Returns out_dir."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    cfg = drafter.config
+    v2 = isinstance(cfg, Drafter2Config)  # the config decides the class, as in load_drafter
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    (out / CONFIG_NAME).write_text(json.dumps(drafter_config_json(drafter.config, dtype), indent=2) + "\n")
-    if not isinstance(drafter, DFlash2Drafter):  # the trust_remote_code file is DFlash v1's
+    (out / CONFIG_NAME).write_text(json.dumps(drafter_config_json(cfg, dtype), indent=2) + "\n")
+    if not v2:  # the trust_remote_code file is DFlash v1's
         shutil.copyfile(_MODELING_SOURCE, out / MODELING_NAME)
     (out / SERVE_NAME).write_text(
         f"# Serve this drafter ({_DTYPE_NAMES[dtype]} weights) with the target it was trained for "
-        f"({drafter.config.num_target_layers} layers, vocabulary {drafter.config.vocab_size}): replace TARGET with "
+        f"({cfg.num_target_layers} layers, vocabulary {cfg.vocab_size}): replace TARGET with "
         "the target's path and DRAFTER with this directory's.\n"
-        + (DFLASH2_ENGINES if isinstance(drafter, DFlash2Drafter) else "")
-        + serve_commands(drafter.config, dtype=dtype))
+        + (DFLASH2_ENGINES if v2 else "")
+        + serve_commands(cfg, dtype=dtype))
     return out
 
 
-def save_training_weights(drafter: DFlashDrafter, out_dir: str | Path) -> Path:
+def save_training_weights(drafter: DFlashDrafter | DrafterSnapshot, out_dir: str | Path) -> Path:
     """The parameters in their own dtype (fp32 master weights), unrounded, as out_dir/training_weights.safetensors:
     what resume loads (load_drafter(dir, weights=TRAINING_WEIGHTS_NAME)). Returns the file."""
     path = Path(out_dir) / TRAINING_WEIGHTS_NAME

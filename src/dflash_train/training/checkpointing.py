@@ -9,15 +9,16 @@
   <out_dir>/run_id                       this run's id (written by training/run.py:prepare_out_dir)
 
 Saving takes a snapshot on the caller's thread (every tensor copied to host memory: pinned buffers filled on a side
-stream on CUDA, plain clones on the CPU) and writes it on a background thread, so training goes on while the disk
-works. One write is in flight at most: the next save, `wait()` and `close()` wait for it (its host copy is what
-bounds the memory) and raise its error, so a failed write is never lost. A checkpoint is written into a hidden
-temporary directory, its files fsynced, and renamed into place only when complete; `latest` is replaced atomically
-after that: a crash (or SIGKILL, or a full disk) mid-write can never make a half-written checkpoint `latest`.
-Resume loads training_weights.safetensors (exact: the fp32 weights the optimizer state belongs to) and checks that
-the servable model.safetensors is their bf16 rounding. A failed write removes its temporary directory; a full disk
-is a CheckpointError (a UserError) naming the directory. On load, a checkpoint that fails validation is reported
-and the previous one used.
+stream on CUDA, plain clones on the CPU; the drafter as a DrafterSnapshot, its config and those copies, no module
+built) and writes it on a background thread, so training goes on while the disk works. One write is in flight at
+most: the next save, `wait()` and `close()` wait for it (its host copy is what bounds the memory) and raise its
+error, so a failed write is never lost. A checkpoint is written into a hidden temporary directory, its files
+fsynced, and renamed into place only when complete; `latest` is replaced atomically after that: a crash (or SIGKILL,
+or a full disk) mid-write can never make a half-written checkpoint `latest`. Resume loads
+training_weights.safetensors (exact: the fp32 weights the optimizer state belongs to) and checks that the servable
+model.safetensors is their bf16 rounding. A failed write removes its temporary directory; a full disk is a
+CheckpointError (a UserError) naming the directory. On load, a checkpoint that fails validation is reported and the
+previous one used.
 
 Every training state carries the run id of the directory it was written in, and only a checkpoint of the directory's
 run id is ever resumed: a checkpoint copied in from another run, or left by one, is reported and skipped. Rotation
@@ -48,8 +49,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
-from ..models.checkpoint import (TRAINING_WEIGHTS_NAME, WEIGHTS_NAME, CheckpointError, load_drafter, save_drafter,
-                                 save_training_weights)
+from ..models.checkpoint import (TRAINING_WEIGHTS_NAME, WEIGHTS_NAME, CheckpointError, DrafterSnapshot, load_drafter,
+                                 save_drafter, save_training_weights)
 from ..models.drafter import DFlashDrafter
 
 log = logging.getLogger("dflash_train")
@@ -138,15 +139,6 @@ def validate_training_state(state, path: Path) -> None:
         raise CheckpointError(f"{path / STATE_NAME} holds step {state['step']}, not the step its directory names.")
 
 
-def host_drafter(drafter: DFlashDrafter, weights: dict[str, torch.Tensor]) -> DFlashDrafter:
-    """A drafter of the same class and config whose parameters are `weights` (host copies, used in place): the
-    snapshot the writer thread saves while the live drafter trains on."""
-    with torch.device("meta"):  # no memory: load_state_dict(assign=True) puts the copies in as they are
-        host = type(drafter)(drafter.config)
-    host.load_state_dict(weights, assign=True)
-    return host
-
-
 class HostCopier:
     """Copies the tensors of nested state (dicts, lists, tuples; anything else deep-copied) to host memory.
 
@@ -201,7 +193,7 @@ class HostCopier:
 class _Write:
     """One checkpoint on its way to disk; `best` is a mark_best record that arrived while it was written."""
     step: int
-    drafter: DFlashDrafter  # host_drafter(): the weights in host memory
+    drafter: DrafterSnapshot  # the config and the weights' host copies
     state: dict
     copied: list  # CUDA events: the host copies are complete
     best: dict | None = None
@@ -266,7 +258,8 @@ class CheckpointManager:
                  "optimizer": self._copier.copy(optimizer.state_dict(), ("optimizer",)),
                  "scheduler": self._copier.copy(scheduler.state_dict(), ("scheduler",)), "rng": rng_state(),
                  "extra": copy.deepcopy(extra or {}), "run_id": self.run_id}
-        job = _Write(step, host_drafter(drafter, weights), state, self._copier.finish())
+        # No module for the writer: building one, even on the meta device, costs more than the rest of save().
+        job = _Write(step, DrafterSnapshot(drafter.config, weights), state, self._copier.finish())
         job.thread = threading.Thread(target=self._run_write, args=(job,), name="dflash-checkpoint", daemon=True)
         with self._lock:
             self._write = job
