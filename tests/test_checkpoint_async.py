@@ -102,6 +102,23 @@ def test_a_checkpoint_holds_the_state_it_was_taken_at(tiny_llama, tmp_path, monk
     assert state["scheduler"]["last_epoch"] == 1 and sched.state_dict()["last_epoch"] == 2
 
 
+def test_reserve_prepares_every_buffer_a_save_fills(tiny_llama, tmp_path, monkeypatch):
+    """CheckpointManager.reserve walks the same tensors under the same keys as save() copies (on CUDA it pins their
+    buffers; a key that differed would leave the first checkpoint to pin its own, mid-run). Recorded through the
+    copier's two leaf functions, so it runs on the CPU."""
+    drafter, opt, sched = build_state(tiny_llama)
+    train_step(drafter, opt, sched)
+    ckpt = CheckpointManager(tmp_path, run_id="r")
+    reserved, copied = [], []
+    monkeypatch.setattr(ckpt._copier, "_reserve_tensor", lambda t, key: reserved.append((key, t.shape)))
+    real = ckpt._copier._tensor
+    monkeypatch.setattr(ckpt._copier, "_tensor", lambda t, key: copied.append((key, t.shape)) or real(t, key))
+    ckpt.reserve(drafter, opt, sched)
+    ckpt.save(1, drafter, opt, sched, data_position=2)
+    ckpt.wait()
+    assert reserved == copied and len(copied) > len(drafter.state_dict())  # weights and the moments
+
+
 def test_a_dflash2_checkpoint_is_dflash2s_servable_and_resumes_exactly(tiny_llama, tmp_path):
     drafter, opt, sched = build_state(tiny_llama, "model.architecture=dflash2")
     assert isinstance(drafter, DFlash2Drafter)

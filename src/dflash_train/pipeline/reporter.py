@@ -92,6 +92,8 @@ class StepReporter:
         if not self._stepped:
             self._stepped = True
             log_first_step(step)
+            if self.checkpoint_every:  # the periodic checkpoints' host buffers, pinned now rather than mid-run
+                self.ckpt.reserve(replica.drafter, replica.optimizer, replica.scheduler)
         if metrics is not None:
             extra, self._seen = self._fractions(self._t, self._seen)
             self._t = time.perf_counter()

@@ -154,13 +154,33 @@ class HostCopier:
         self._started: set[torch.device] = set()  # devices with copies queued since the last finish()
 
     def copy(self, obj, key: tuple = ()):
+        return self._walk(obj, key, self._tensor)
+
+    def reserve(self, obj, key: tuple = ()) -> None:
+        """Allocate now the pinned buffers a later copy(obj, key) will fill (nothing on the CPU): pinning host memory
+        stalls the process (the first checkpoint's log window ran 6.4% slow on an H200, the next ones within 0.3%),
+        so the training does it once, before its measured steps."""
+        self._walk(obj, key, self._reserve_tensor)
+
+    def _walk(self, obj, key: tuple, leaf):
+        """`obj` with every tensor t replaced by leaf(t, its key path); anything else deep-copied."""
         if isinstance(obj, torch.Tensor):
-            return self._tensor(obj.detach(), key)
+            return leaf(obj.detach(), key)
         if isinstance(obj, dict):
-            return {k: self.copy(v, key + (k,)) for k, v in obj.items()}
+            return {k: self._walk(v, key + (k,), leaf) for k, v in obj.items()}
         if isinstance(obj, (list, tuple)):
-            return type(obj)(self.copy(v, key + (i,)) for i, v in enumerate(obj))
+            return type(obj)(self._walk(v, key + (i,), leaf) for i, v in enumerate(obj))
         return copy.deepcopy(obj)
+
+    def _buffer(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
+        buf = self._pinned.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return buf
+
+    def _reserve_tensor(self, t: torch.Tensor, key: tuple) -> None:
+        if t.device.type == "cuda":
+            self._buffer(t, key)
 
     def _tensor(self, t: torch.Tensor, key: tuple) -> torch.Tensor:
         if t.device.type != "cuda":
@@ -171,9 +191,7 @@ class HostCopier:
         if t.device not in self._started:  # the copy must see every update queued before the save
             side.wait_stream(torch.cuda.current_stream(t.device))
             self._started.add(t.device)
-        buf = self._pinned.get(key)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._pinned[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf = self._buffer(t, key)
         with torch.cuda.stream(side):
             buf.copy_(t, non_blocking=True)
         return buf
@@ -265,6 +283,13 @@ class CheckpointManager:
             self._write = job
         job.thread.start()
         return self.root / f"step_{step:08d}"
+
+    def reserve(self, drafter: DFlashDrafter, optimizer, scheduler) -> None:
+        """Allocate the host buffers save() will fill (HostCopier.reserve), once the optimizer has its state (after
+        the first step): the first checkpoint then costs the training what every later one does."""
+        self._copier.reserve(drafter.state_dict())
+        self._copier.reserve(optimizer.state_dict(), ("optimizer",))
+        self._copier.reserve(scheduler.state_dict(), ("scheduler",))
 
     def wait(self) -> Path | None:
         """Block until the write in flight (if any) is complete; raise its error (once). Returns its directory."""

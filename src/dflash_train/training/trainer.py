@@ -92,6 +92,8 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
                 step += 1
                 if step == start_step + 1:
                     log_first_step(step)
+                    if cfg.train.checkpoint_every:  # host buffers pinned now rather than at the first checkpoint
+                        ckpt.reserve(drafter, optimizer, scheduler)
                 stop = budget.should_stop(step)
                 if logger.should_log(step) or stop:  # a time-budget stop logs its last window too (log, plots)
                     logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
