@@ -37,17 +37,19 @@ from .config import Config, load_config
 log = logging.getLogger("dflash_train")
 
 RECIPE = "smollm2_demo"
-# One H200: ~5 minutes of regeneration (the first answer of every ShareGPT conversation, then prompts the target
-# writes itself) while a child process compiles the training step (training/warmup.py), then 8 minutes of training
-# whose LR schedule follows the clock (training/optim.py, follows_clock) over at most 10 epochs of the data;
+# One H200: ~4 minutes of regeneration (the first answer of every ShareGPT conversation, then 60,000 prompts the
+# target writes itself; at most 6 minutes) while a child process compiles the training step (training/warmup.py),
+# then 10.5 minutes of training whose LR schedule follows the clock (training/optim.py, follows_clock) over at most 10
+# epochs of the data; the drafter's layers start as copies of the target's last ones (model.drafter_layer_init);
 # 8,192-token rows with 1,024 anchors, the target's forward compiled and replayed as a CUDA graph (flex attention),
 # validation every 500 steps on 4 held-out rows.
 GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenerate_first_turn_only=true",
-                 "data.self_prompts=40000", "data.regenerate_minutes=5", "data.max_length=2048",
+                 "data.self_prompts=60000", "data.regenerate_minutes=6", "data.max_length=2048",
                  "train.token_budget=8192", "train.num_anchors=1024", "train.lr=2e-3", "train.warmup_ratio=0.04",
-                 "train.max_steps=null", "train.epochs=10", "train.max_minutes=8",
+                 "train.max_steps=null", "train.epochs=10", "train.max_minutes=10.5",
                  "train.log_every=100", "train.eval_every=500", "train.eval_rows=4", "train.checkpoint_every=2000",
-                 "train.final_eval_prompts=0", "model.num_draft_layers=5", "model.target_attention=flex",
+                 "train.final_eval_prompts=0", "model.num_draft_layers=5", "model.drafter_layer_init=target",
+                 "model.target_attention=flex",
                  "model.target_graphs=true", "model.target_compile=default"]
 # What each device evaluates: (prompt set, prompts, new tokens per prompt). None = every prompt of the set.
 EVAL_PLAN = {"cpu": [("yardstick", 3, 32), ("heldout", 3, 32)],
