@@ -21,6 +21,15 @@ S=/tmp/dflash
 OUT=${OUT:-/tmp/out}
 GGUF=$S/SmolLM2-135M-Instruct.Q4_1.gguf
 banner() { echo; echo "=== $1 ($(date +%T))"; }
+# detach LOG CMD...: CMD in its own session (it outlives the device call), output to LOG, run from /tmp, and no
+# descriptor inherited but 0-2. `setsid nohup CMD > LOG 2>&1 &` is not enough here: bash keeps a copy of the call's
+# output pipe (fd 251, from `... | tee` below), the child inherits it, and the device call then waits for the whole
+# demo (the `start` calls of 2026-12-02 and -03 ran into their time limits without output).
+detach() {
+  python3 -c 'import subprocess, sys
+subprocess.Popen(sys.argv[2:], stdout=open(sys.argv[1], "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                 start_new_session=True, close_fds=True, cwd="/tmp")' "$@"
+}
 
 stage() {
   banner "staging"
@@ -75,19 +84,18 @@ join() {
 variants() {
   banner "start the variants: regen ${VARIANTS:-ce kd50 kd100}"
   join
-  (cd /tmp && setsid nohup env PARALLEL=${PARALLEL:-1} TRAIN_MIN=${TRAIN_MIN:-7} bash $S/benchmarks/gpu_variants.sh \
-      regen ${VARIANTS:-ce kd50 kd100} > $S/variants.log 2>&1 < /dev/null &)
+  detach $S/variants.log env PARALLEL=${PARALLEL:-1} TRAIN_MIN=${TRAIN_MIN:-7} bash $S/benchmarks/gpu_variants.sh \
+      regen ${VARIANTS:-ce kd50 kd100}
   sleep 45; tail -5 $S/variants.log
 }
 
 start() {
   banner "start the demo"
   join
-  # In a subshell: the call returns at once (a background job of this shell kept the call's output pipe open).
-  # TOKENIZERS_PARALLELISM unset, as a user runs it: the demo tokenizes ~40k conversations in parallel.
-  (cd /tmp && setsid nohup env -u TOKENIZERS_PARALLELISM PYTHONPATH=/tmp/site:$S/src PYTHONUNBUFFERED=1 \
+  # TOKENIZERS_PARALLELISM unset, as a user runs it: the demo tokenizes ~76k conversations in parallel.
+  detach $S/demo.log env -u TOKENIZERS_PARALLELISM PYTHONPATH=/tmp/site:$S/src PYTHONUNBUFFERED=1 \
       python3 -m dflash_train.cli demo --device cuda --out $S/runs/demo model.target=$GGUF \
-      data.source=$S/data/train_chats.jsonl ${DEMO_ARGS:-} > $S/demo.log 2>&1 < /dev/null &)
+      data.source=$S/data/train_chats.jsonl ${DEMO_ARGS:-}
   sleep 45; grep -v -E "it/s\]|s/it\]" $S/demo.log | tail -8
 }
 
