@@ -12,7 +12,11 @@
 # Variants: ce (the demo's recipe, DFlash v1), v2 (the same as a DFlash 2 drafter: model.architecture=dflash2 with
 # its default conv / selector sizes), kd50 (train.kd_weight=0.5), kd100 (kd_weight=1), deep (8 draft layers),
 # anchors2k (2,048 anchors per row), lr1e3 (lr 1e-3), tinit (the drafter's layers
-# copied from the target's last ones: model.drafter_layer_init=target). v1 against v2 at the same data and budget:
+# copied from the target's last ones: model.drafter_layer_init=target), dynamic (train.position_weights=dynamic:
+# acceptance-aware loss weights after D-PACE, with its floor dynamic_alpha=0.5), dynamic0 (the same without the
+# floor: train.dynamic_alpha=0), gamma4 (the fixed decay sharper: train.gamma=4 instead of 7 at B=16). The loss
+# weightings side by side:  PARALLEL=1 bash benchmarks/gpu_variants.sh ce dynamic gamma4
+# v1 against v2 at the same data and budget:
 #   PARALLEL=1 TRAIN_MIN=2.5 bash benchmarks/gpu_variants.sh ce v2
 set -u
 export PYTHONPATH=/tmp/site:${SRC:-/tmp/dflash/src} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -48,6 +52,9 @@ variant_args() {
     anchors2k) echo "train.num_anchors=2048" ;;
     lr1e3) echo "train.lr=1e-3" ;;
     tinit) echo "model.drafter_layer_init=target" ;;
+    dynamic) echo "train.position_weights=dynamic" ;;
+    dynamic0) echo "train.position_weights=dynamic train.dynamic_alpha=0" ;;
+    gamma4) echo "train.gamma=4" ;;
     *) echo "unknown variant $1" >&2; return 2 ;;
   esac
 }

@@ -268,6 +268,18 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 = off).")
     gamma: float | None = _f(None, "Loss decay: block position k weighs exp(-(k-1)/gamma). Empty = 7 for B=16, "
                                    "5 for B=10, 4 for B=8, else B/2.3.")
+    position_weights: str = _f("decay", "How the loss weighs block positions 1..B-1: decay (exp(-(k-1)/gamma), "
+                                        "normalised by the weights' sum) | dynamic (acceptance-aware, after D-PACE: "
+                                        "w_k = the mean over the row's blocks of S_k = sum_{m>=k} prod_{j<=m} s_j, "
+                                        "s_j = (1 - dynamic_alpha) * exp(-CE_j) + dynamic_alpha, relative to w_1, "
+                                        "i.e. each position's share of the gradient of the expected accepted "
+                                        "length, recomputed every step from the step's own loss; gamma is unused). "
+                                        "Validation's loss uses the same weights. dynamic is not yet measured on a "
+                                        "GPU (docs/DESIGN.md).")
+    dynamic_alpha: float = _f(0.5, "With position_weights=dynamic: the floor that smooths each position's label "
+                                   "probability p to (1 - alpha) * p + alpha before the products (D-PACE's 0.5), so "
+                                   "positions the drafter cannot get right yet still train. In [0, 1]: 0 = the "
+                                   "plain expected-acceptance gradient, 1 = fixed weights (B-k)/(B-1).")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps. Empty = epochs.")
     epochs: float = _f(1.0, "Passes over the training rows when max_steps is empty.")
     budget_steps_per_s: float | None = _f(None, "With max_minutes and no max_steps: size the LR schedule in steps "
@@ -336,6 +348,7 @@ class TrainConfig:
         _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "0 (off) or positive")
         _require(self.gamma is None or self.gamma > 0, "train.gamma", self.gamma, "positive, or empty for the "
                  "block size's default")
+        _require(0.0 <= self.dynamic_alpha <= 1.0, "train.dynamic_alpha", self.dynamic_alpha, "in [0, 1]")
         _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps,
                  "at least 1, or empty to train for train.epochs")
         _require(self.epochs > 0, "train.epochs", self.epochs, "positive")
@@ -370,7 +383,8 @@ class TrainConfig:
         for name, allowed in (("compile", ("auto", "eager", "default", "reduce-overhead")),
                               ("attention", ("auto", "sdpa", "flex")),
                               ("dtype", ("auto", "bf16", "fp32")),
-                              ("nonfinite", ("skip", "stop"))):
+                              ("nonfinite", ("skip", "stop")),
+                              ("position_weights", ("decay", "dynamic"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {', '.join(allowed)} "
                                   f"(got {getattr(self, name)!r}).")

@@ -3,7 +3,9 @@
 For anchor a (a position where tokens a and a+1 are both supervised) the block is [token a, MASK x (B-1)] at
 positions pos(a)..pos(a)+B-1; block position k (1..B-1) predicts token a+k. A block's queries see the context
 features strictly before a within a's document, and the B tokens of their own block (bidirectional); never another
-block, never another document. Cross-entropy at position k weighs exp(-(k-1)/gamma), normalised by the weight sum.
+block, never another document. Cross-entropy at position k weighs exp(-(k-1)/gamma), normalised by the weight sum
+(train.position_weights=decay, the default), or by acceptance-aware weights computed from the step's own
+cross-entropy (=dynamic: `dynamic_position_weights`).
 With distillation (train.kd_weight = w > 0) the loss at a label position p is (1 - w) * CE(token p) + w * the
 cross-entropy against the target's own distribution for p, softmax(lm_head(target's final hidden state at p - 1)).
 
@@ -41,6 +43,61 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
     """[B-1] weights exp(-(k-1)/gamma) for block positions k = 1..B-1."""
     k = torch.arange(1, block_size, dtype=torch.float32, device=device)
     return torch.exp(-(k - 1) / gamma)
+
+
+POSITION_WEIGHTS = ("decay", "dynamic")   # train.position_weights
+DEFAULT_DYNAMIC_ALPHA = 0.5               # train.dynamic_alpha: D-PACE's smoothing (its released default)
+
+
+def dynamic_position_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float = DEFAULT_DYNAMIC_ALPHA
+                             ) -> torch.Tensor:
+    """ce, valid [A, B-1] (the step's per-position loss and its labels) -> [B-1] position weights, w_1 = 1, detached.
+
+    Derivation. A block's expected accepted draft length is E[L] = sum_{m=1}^{B-1} prod_{j<=m} p_j, p_j the chance
+    the draft at j is the label. Its gradient w.r.t. log p_k is S_k = sum_{m>=k} prod_{j<=m} p_j, so the loss
+    sum_k S_k * CE_k with S held constant follows the gradient of expected acceptance (D-PACE, arXiv 2605.18810).
+    Here, per block b and position k:
+      s_bk = (1 - alpha) * exp(-ce_bk) + alpha   at labelled positions, 0 at unlabelled ones,
+      P_bk = prod_{j<=k} s_bj,   S_bk = sum_{m>=k} P_bm,
+      Sbar_k = mean of S_bk over the blocks labelled at k,   w_k = Sbar_k / Sbar_1 (w_1 = 1 exactly),
+    all on `ce.detach()`, in fixed-shape tensor ops (no host sync, no new shapes: it runs inside the compiled step).
+    The loss stays sum(ce * w * valid) / sum(w * valid), a weighted mean of the CE like the decay weights.
+
+    Choices, against the paper and its released code (github.com/Lucas-TY/D-PACE, `_dpace_weight`):
+    - p = exp(-loss): the label's probability. With distillation (kd_weight = w) the loss is the mix, so p is
+      p_label^(1-w) * exp(-CE against the target)^w, the latter a lower bound on the chance that a sampled draft
+      matches the target's sample: the same quantity the step trains.
+    - alpha (train.dynamic_alpha): the paper smooths p to (1 - alpha) p + alpha (0.5 in its release), followed
+      here. Without it S is a product chain of p's: early in training (p ~ 1/V) w_2 / w_1 ~ p_2 and positions past
+      the first would get next to no training; with it, even a drafter that gets nothing right gives
+      w_k >= (1 - alpha) alpha^(k-1). alpha = 0 is the plain derivation; alpha = 1 gives the fixed profile
+      (B-k) / (B-1).
+    - Position-level, not per block: the paper weighs each block's CE_bk by its own S_bk. S_bk carries the factor
+      p_b1 (every term of E[L] does), so per-block weights shrink exactly on the blocks the drafter gets wrong
+      (the floor alpha only bounds that to ~alpha : B-1). Averaging S over the blocks keeps the per-example
+      weighting of maximum likelihood (every labelled block counts alike at a position) and takes only the
+      position profile from E[L]. The mean at k is over the blocks labelled at k (the least-squares fit of one
+      weight per position to S_bk over the labelled (b, k)): a block whose labels stop early contributes no CE
+      beyond them, so counting it as 0 there would discount those positions twice.
+    - Unlabelled positions: acceptance stops there (s = 0), so labelled positions after a gap in the loss mask
+      (past the end of the reply, which decoding never drafts across) get S = 0 in that block. The paper treats
+      them as transparent (factor 1); the two agree whenever a block's labels are contiguous from position 1, as
+      they almost always are (labels end at the end of a document, of the row or of the assistant's turn).
+    - Normalisation: the paper divides sum(S * CE) by the batch size, so the loss and the gradient grow with the
+      drafter's acceptance and with the number of anchors; here the weights are a profile with w_1 = 1, as decay's,
+      inside the same weighted mean, so the loss, lr and train.grad_clip keep their scale.
+    - No smoothing over steps (neither has the paper): the step's own A blocks give the profile, so the step stays
+      a pure function of its inputs. If no block is labelled, or every S is 0 (alpha = 0 and p_1 underflowing
+      everywhere), all weight goes to position 1.
+    """
+    valid_f = valid.to(torch.float32)
+    p = torch.exp(-ce.detach().to(torch.float32))
+    s = ((1.0 - alpha) * p + alpha) * valid_f
+    prefix = torch.cumprod(s, dim=1)                                            # P_bk
+    suffix = prefix.flip(1).cumsum(1).flip(1)                                   # S_bk
+    mean = (suffix * valid_f).sum(0) / valid_f.sum(0).clamp_min(1.0)            # Sbar_k
+    rel = mean[1:] / mean[:1].clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.cat([torch.ones_like(mean[:1]), rel])
 
 
 @dataclass
@@ -408,14 +465,19 @@ def draft_hidden(drafter: DFlashDrafter, embed_w: torch.Tensor, feats: torch.Ten
 def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Tensor, feats: torch.Tensor,
                 input_ids, position_ids, doc_ids, loss_mask, anchors, anchor_valid, *, block_size: int,
                 gamma: float, attention: str = "sdpa", loss_chunk: int = 0, target_hidden: torch.Tensor | None = None,
-                kd_weight: float = 0.0) -> dict[str, torch.Tensor]:
+                kd_weight: float = 0.0, weighting: str = "decay",
+                dynamic_alpha: float = DEFAULT_DYNAMIC_ALPHA) -> dict[str, torch.Tensor]:
     """One row -> {'loss', 'acc', 'cond_acc', 'tau_est', 'num_labels'} (tensors on the device, no host sync).
 
     feats [T, k*H]; input_ids/position_ids/doc_ids/loss_mask [T]; anchors/anchor_valid [A].
     target_hidden [T, H]: the target's final normed hidden state (row p predicts token p + 1), needed when
-    kd_weight > 0 (module docstring); ignored at kd_weight = 0, which is exactly the hard-label loss."""
+    kd_weight > 0 (module docstring); ignored at kd_weight = 0, which is exactly the hard-label loss.
+    weighting: 'decay' (exp(-(k-1)/gamma)) or 'dynamic' (`dynamic_position_weights` of this row's own loss, with
+    dynamic_alpha; gamma is then unused). DFlash 2's selector term gets the same weights."""
     if kd_weight > 0 and target_hidden is None:
         raise ValueError("kd_weight > 0 needs target_hidden, the target's final hidden states")
+    if weighting not in POSITION_WEIGHTS:
+        raise ValueError(f"weighting must be one of {', '.join(POSITION_WEIGHTS)}, got {weighting!r}")
     h, lay = draft_hidden(drafter, embed_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors,
                           anchor_valid, block_size=block_size, attention=attention)
     A, T = anchors.shape[0], input_ids.shape[0]
@@ -431,7 +493,10 @@ def dflash_loss(drafter: DFlashDrafter, embed_w: torch.Tensor, head_w: torch.Ten
     top_k = 0 if selector is None else selector.top_k
     ce, pred, top = blockwise_ce(h, head_w, lay.labels.flatten(), loss_chunk, target_h, kd_weight, top_k)
     ce, pred = ce.view(A, block_size - 1), pred.view(A, block_size - 1)
-    w = position_weights(block_size, gamma, device=ce.device)[None, :] * lay.valid.float()
+    if weighting == "dynamic":
+        w = dynamic_position_weights(ce, lay.valid, dynamic_alpha)[None, :] * lay.valid.float()
+    else:
+        w = position_weights(block_size, gamma, device=ce.device)[None, :] * lay.valid.float()
     loss = (ce * w).sum() / w.sum().clamp_min(1e-6)
     if selector is not None:  # DFlash 2: the drafts are the selector's picks, trained here (training/selector.py)
         unary, candidates = (t.view(A, block_size - 1, -1) for t in top)      # [A, B-1, K] each

@@ -37,7 +37,8 @@ def _fresh_function(fn, tag: str):
 
 
 def _loss_fn(drafter, embed_w, head_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors, anchor_valid,
-             block_size, gamma, attention, loss_chunk, autocast_dtype, kd_weight):
+             block_size, gamma, attention, loss_chunk, autocast_dtype, kd_weight, weighting="decay",
+             dynamic_alpha=0.5):
     device_type = feats.device.type
     target_hidden = None
     if kd_weight > 0:  # feats [T, (k+1)*H]: the tapped layers, then the target's final normed hidden state
@@ -46,7 +47,8 @@ def _loss_fn(drafter, embed_w, head_w, feats, input_ids, position_ids, doc_ids, 
     with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
         return dflash_loss(drafter, embed_w, head_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors,
                            anchor_valid, block_size=block_size, gamma=gamma, attention=attention,
-                           loss_chunk=loss_chunk, target_hidden=target_hidden, kd_weight=kd_weight)
+                           loss_chunk=loss_chunk, target_hidden=target_hidden, kd_weight=kd_weight,
+                           weighting=weighting, dynamic_alpha=dynamic_alpha)
 
 
 class DrafterStep:
@@ -69,6 +71,10 @@ class DrafterStep:
             torch._dynamo.mark_static_address(w, guard=False)
         self.block_size = drafter.config.block_size
         self.gamma = cfg.gamma or default_gamma(self.block_size)
+        # train.position_weights: decay (exp(-(k-1)/gamma)) or dynamic (objective.dynamic_position_weights, from the
+        # step's own loss, in the same graph). Validation's loss (evaluate) uses the same weights as training.
+        self.position_weights = cfg.position_weights
+        self.dynamic_alpha = cfg.dynamic_alpha
         self.attention = cfg.attention
         self.loss_chunk = cfg.loss_chunk
         self.kd_weight = cfg.kd_weight
@@ -102,7 +108,8 @@ class DrafterStep:
                              f"train.kd_weight={self.kd_weight} load the target with final_hidden={self.kd_weight > 0}")
         return loss_fn(self.drafter, self.embed_w, self.head_w, feats.to(self.dtype), batch.input_ids,
                        batch.position_ids, batch.doc_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
-                       self.block_size, self.gamma, self.attention, self.loss_chunk, self.dtype, self.kd_weight)
+                       self.block_size, self.gamma, self.attention, self.loss_chunk, self.dtype, self.kd_weight,
+                       self.position_weights, self.dynamic_alpha)
 
     def __call__(self, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
         """batch: TrainBatch on self.device; feats [T, feats_width] (k*H; (k+1)*H when distilling). Returns detached
