@@ -3,16 +3,18 @@
 #   regen       the demo's data step alone (first ShareGPT turns + self-written prompts, data.regenerate_minutes)
 #               into $S/runs/demo-data/, converting the GGUF once (needs benchmarks/gpu_demo.sh check + the GGUF
 #               joined at $S/SmolLM2-135M-Instruct.Q4_1.gguf)
-#   <variant>   train from scratch on that data for TRAIN_MIN minutes (schedule sized to it), then speculative
-#               decoding on the bundled yardstick prompts (another source: 80 x 256 tokens)
-# EXTRA="k=v ..." adds overrides to every variant. PARALLEL=1 trains the variants side by side on the one GPU (each gets a share of it: compare them with each other,
-# not with a run that had the GPU alone). One line per variant (measured tau, speedup, verdict, validation's best
-# estimate, steps) goes to $OUT/variants.txt. Start it in its own session and poll (device calls are <= 10 minutes):
-#   setsid nohup bash benchmarks/gpu_variants.sh regen ce kd50 > /tmp/dflash/variants.log 2>&1 < /dev/null &
-# Variants: ce (the demo's recipe, DFlash v1), v2 (the same as a DFlash 2 drafter: model.architecture=dflash2 with
-# its default conv / selector sizes), kd50 (train.kd_weight=0.5), kd100 (kd_weight=1), deep (8 draft layers),
-# anchors2k (2,048 anchors per row), lr1e3 (lr 1e-3), tinit (the drafter's layers
-# copied from the target's last ones: model.drafter_layer_init=target), dynamic (train.position_weights=dynamic:
+#   <variant>   train from scratch on that data with the demo's own training settings (demo.GPU_OVERRIDES without
+#               its data step and its clock) for TRAIN_MIN minutes (schedule sized to it), plus the variant's
+#               overrides, then speculative decoding on the bundled yardstick prompts (another source: 80 x 256 tokens)
+# EXTRA="k=v ..." adds overrides to every variant. PARALLEL=1 trains the variants side by side on the one GPU (each
+# gets a share of it: compare them with each other, not with a run that had the GPU alone). One line per variant
+# (measured tau, speedup, verdict, validation's best estimate, steps) goes to $OUT/variants.txt. Start it from a
+# device call with `bash benchmarks/gpu_demo.sh variants` (it detaches the job; device calls are <= 10 minutes).
+# Variants: ce (the demo's recipe as configured, DFlash v1), v2 (the same as a DFlash 2 drafter:
+# model.architecture=dflash2 with its default conv / selector sizes), kd50 (train.kd_weight=0.5), kd100
+# (kd_weight=1), deep (8 draft layers), anchors2k (2,048 anchors per row), lr1e3 (lr 1e-3), rinit (the drafter's
+# layers initialised at random: model.drafter_layer_init=random; the demo copies them from the target since
+# 2026-12-03, before which `ce` meant random and `tinit` the copy), dynamic (train.position_weights=dynamic:
 # acceptance-aware loss weights after D-PACE, with its floor dynamic_alpha=0.5), dynamic0 (the same without the
 # floor: train.dynamic_alpha=0), gamma4 (the fixed decay sharper: train.gamma=4 instead of 7 at B=16). The loss
 # weightings side by side:  PARALLEL=1 bash benchmarks/gpu_variants.sh ce dynamic gamma4
@@ -42,6 +44,14 @@ EOF
   for f in $D/*.jsonl; do gzip -c "$f" > "$OUT/$(basename $f).gz"; done
 }
 
+# The demo's training settings (demo.GPU_OVERRIDES) without its data step (the data is regen's) and its clock.
+demo_train_overrides() {
+  python3 -c 'from dflash_train.demo import GPU_OVERRIDES
+skip = ("data.regenerate", "data.self_prompt", "train.max_minutes", "train.epochs",
+        "train.checkpoint_every", "train.final_eval_prompts")
+print(" ".join(o for o in GPU_OVERRIDES if not o.startswith(skip)))'
+}
+
 variant_args() {
   case "$1" in
     ce) echo "" ;;
@@ -51,7 +61,7 @@ variant_args() {
     deep) echo "model.num_draft_layers=8" ;;
     anchors2k) echo "train.num_anchors=2048" ;;
     lr1e3) echo "train.lr=1e-3" ;;
-    tinit) echo "model.drafter_layer_init=target" ;;
+    rinit) echo "model.drafter_layer_init=random" ;;
     dynamic) echo "train.position_weights=dynamic" ;;
     dynamic0) echo "train.position_weights=dynamic train.dynamic_alpha=0" ;;
     gamma4) echo "train.gamma=4" ;;
@@ -65,14 +75,13 @@ variant() {
   local target
   target=$(ls -d $S/runs/.cache/*-hf | head -1)  # the GGUF as converted once by the demo's code
   echo "=== $v ($(date +%T)): $extra"
+  # shellcheck disable=SC2046  # the demo's overrides are single words (no spaces), split on purpose
   python3 -m dflash_train.cli train --config smollm2_demo model.target="$target" \
-      "data.mix=[$D/regenerated.jsonl,$D/self_regenerated.jsonl]" data.max_samples=null data.max_length=2048 \
+      "data.mix=[$D/regenerated.jsonl,$D/self_regenerated.jsonl]" \
       "pipeline.target_devices=[cuda:0]" "pipeline.drafter_devices=[cuda:0]" run.out_dir=$run run.overwrite=true \
-      train.token_budget=8192 train.num_anchors=1024 train.lr=2e-3 train.warmup_ratio=0.04 train.max_steps=null \
-      train.epochs=8 train.max_minutes=$TRAIN_MIN train.log_every=100 \
-      train.eval_every=500 train.eval_rows=4 train.checkpoint_every=0 model.num_draft_layers=5 \
-      model.target_attention=flex model.target_graphs=true data.eval_prompts=yardstick train.final_eval_prompts=80 \
-      train.final_eval_new_tokens=256 $extra ${EXTRA:-} > $S/variant_$v.log 2>&1
+      $(demo_train_overrides) train.epochs=8 train.max_minutes=$TRAIN_MIN train.checkpoint_every=0 \
+      data.eval_prompts=yardstick train.final_eval_prompts=80 train.final_eval_new_tokens=256 \
+      $extra ${EXTRA:-} > $S/variant_$v.log 2>&1
   grep -v -E "it/s\]|s/it\]" $S/variant_$v.log | grep -E "val |measured|data:|done|rror" | tail -8
   python3 - "$v" "$run" >> "$OUT/variants.txt" <<'EOF'
 import json, sys
