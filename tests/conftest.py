@@ -11,6 +11,11 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Inductor on CPU first dry-compiles a probe per vector ISA (AVX-512, AVX2, ...) with g++ and dlopens each in a child
+# process: about 11 s of CPU in every process that compiles (each pytest-xdist worker, the benchmark smoke, the
+# warm-up child, CLI runs), whatever cache directory it uses. This takes the ISAs /proc/cpuinfo lists as buildable
+# instead (a compiler that could not build them fails the inductor tests loudly). Inherited by the subprocesses.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # Tiny models are launch-bound, and three pytest-xdist workers share the cores (pyproject.toml): a second intra-op
 # thread per test process only spins against the other workers (10x slower on a loaded 2-core box). One thread in
 # every test process, run alone (-k, -n 0) or in the suite alike; the pipeline still sets its own workers' counts.
@@ -58,21 +63,39 @@ def tiny_qwen3(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
 
 
+# tests/test_demo.py compares the converted SmolLM2's logits on these tokens with the GGUF-loaded model's
+SMOLLM2_PROBE_IDS = [[1, 540, 2017, 314, 253, 1695, 30]]
+SMOLLM2_GGUF_LOGITS = "smollm2_gguf_logits.pt"  # beside the converted directory
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """The embedded SmolLM2 GGUF converted once into a Hugging Face directory, as the demo does (that the logits stay
-    identical is tests/test_demo.py's). Every GGUF parse dequantizes all tensors and rebuilds the tokenizer: the
-    real-model tests share this one, across pytest-xdist workers too (the first converts, the others wait on the
-    lock and find the finished directory)."""
+    identical is tests/test_demo.py's). Every GGUF parse dequantizes all tensors and rebuilds the tokenizer (~30 s of
+    CPU): the real-model tests share this one, across pytest-xdist workers too (the first converts, the others wait
+    on the lock and find the finished directory). The model the conversion loads from the GGUF also leaves its
+    logits on SMOLLM2_PROBE_IDS in SMOLLM2_GGUF_LOGITS, so that the exactness check needs no second parse."""
     from filelock import FileLock
 
+    import dflash_train.models.target as target_module
     from dflash_train.demo import local_embedded_target
 
     root = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker has its own base temp; their parent is shared
         root = root.parent
-    with FileLock(str(root / "smollm2_cache.lock")):
-        return local_embedded_target(root / "smollm2_cache")
+    cache_root = root / "smollm2_cache"
+    real_load = target_module.load_causal_lm
+
+    def load_and_record_logits(target, *args, **kwargs):
+        hf = real_load(target, *args, **kwargs)
+        with torch.no_grad():
+            cache_root.mkdir(exist_ok=True)
+            torch.save(hf(torch.tensor(SMOLLM2_PROBE_IDS)).logits, cache_root / SMOLLM2_GGUF_LOGITS)
+        return hf
+
+    with FileLock(str(root / "smollm2_cache.lock")), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(target_module, "load_causal_lm", load_and_record_logits)  # local_embedded_target imports it late
+        return local_embedded_target(cache_root)
 
 
 @pytest.fixture(scope="session")

@@ -71,9 +71,10 @@ def run_bench(tmp_path, *args, timeout=BENCH_HANG_GUARD_S):
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=timeout, check=False)
 
 
-def test_layouts_parse_and_map_to_disjoint_devices(tmp_path):
+def test_layouts_parse_and_map_to_disjoint_devices(capsys):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
+        import bench
         from harness import Skip, layout_devices, parse_layouts
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
@@ -87,10 +88,17 @@ def test_layouts_parse_and_map_to_disjoint_devices(tmp_path):
     assert layout_devices("2+2", "cpu", 0) == (["cpu", "cpu"], ["cpu", "cpu"])
     with pytest.raises(Skip, match="needs 8 GPUs, 4 visible"):
         layout_devices("1+7", "cuda", 4)
-    proc = run_bench(tmp_path, "--only", "pipeline", "--layouts", "1+3,2x2")
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+    # bench.py's own main, in this process: a bad --layouts is refused before any benchmark runs, so a subprocess
+    # (a torch import, seconds) adds nothing; main() inserts benchmarks/ into sys.path, put back afterwards.
+    saved_path = list(sys.path)
+    try:
+        code = bench.main(["--suite", "cpu-smoke", "--only", "pipeline", "--layouts", "1+3,2x2"])
+    finally:
+        sys.path[:] = saved_path
+    err = capsys.readouterr().err
+    assert code == 2 and err.strip().splitlines() == [
         ("error: --layouts item '2x2' is not 'shared' (one GPU runs target and drafter) or T+D (T target GPUs, then D "
-         "drafter GPUs, e.g. 1+3)")], proc.stderr
+         "drafter GPUs, e.g. 1+3)")], err
 
 
 def test_synthetic_documents_of_a_stated_length():

@@ -16,7 +16,7 @@ from dflash_train.generation.regenerate import read_done_ids
 from dflash_train.data.sources import iter_conversations
 from dflash_train.models.target import load_tokenizer
 from dflash_train.training.plots import write_training_plots
-from conftest import RUN_HANG_GUARD_S, STOP_HANG_GUARD_S
+from conftest import RUN_HANG_GUARD_S, SMOLLM2_GGUF_LOGITS, SMOLLM2_PROBE_IDS, STOP_HANG_GUARD_S
 from tiny_chat import make_tiny_chat_target, write_chats
 
 
@@ -332,11 +332,13 @@ def test_embedded_target_conversion_is_exact_and_regenerates(tmp_path, smollm2_d
 
     local = smollm2_dir
     assert local_embedded_target(local.parent) == local  # converted once
-    ids = torch.tensor([[1, 540, 2017, 314, 253, 1695, 30]])
+    # The GGUF side's logits were taken from the very model the conversion loaded from the GGUF (conftest's
+    # smollm2_dir: load_causal_lm(None), what load_target(None) wraps), sparing a second GGUF parse (~30 s of CPU).
+    gguf_logits = torch.load(local.parent / SMOLLM2_GGUF_LOGITS)
     with torch.no_grad():
-        a = load_target(None, [0], truncate=False).hf(ids).logits
-        b = load_target(str(local), [0], truncate=False).hf(ids).logits
-    assert torch.equal(a, b)
+        converted = load_target(str(local), [0], truncate=False).hf(torch.tensor(SMOLLM2_PROBE_IDS)).logits
+    assert gguf_logits.shape == (1, len(SMOLLM2_PROBE_IDS[0]), 49152)
+    assert torch.equal(gguf_logits, converted)
     tok = load_tokenizer(str(local))
     hf = load_causal_lm(str(local), torch.device("cpu"))
     items = [(rid, conv, True) for _, (rid, conv) in zip(range(2), iter_source_records("sharegpt", Counter()))]
