@@ -45,6 +45,16 @@ def make_tiny_target(path, kind: str = "llama", seed: int = 0, **overrides):
     return str(path)
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow integration tests (marker `slow`: tens of seconds each) run first, the rest after them in file order.
+    pytest-xdist hands tests out in collection order (pyproject.toml: --maxschedchunk 1, a worker holds at most two
+    at a time), so the long ones start while the short ones fill the other workers around them, instead of the
+    slowest (tests/test_warmup.py's, last by name) starting near the end with the other workers idle. Every worker
+    sorts the same collection the same way (a stable sort), as xdist requires; fixed_seed keeps each test's
+    numbers independent of the order."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def fixed_seed():
     """Every test starts from the same RNG state: it draws the same numbers run alone (-k) as in the whole suite."""
