@@ -37,8 +37,7 @@ def _fresh_function(fn, tag: str):
 
 
 def _loss_fn(drafter, embed_w, head_w, feats, input_ids, position_ids, doc_ids, loss_mask, anchors, anchor_valid,
-             block_size, gamma, attention, loss_chunk, autocast_dtype, kd_weight, weighting="decay",
-             dynamic_alpha=0.5):
+             block_size, gamma, attention, loss_chunk, autocast_dtype, kd_weight, weighting, dynamic_alpha):
     device_type = feats.device.type
     target_hidden = None
     if kd_weight > 0:  # feats [T, (k+1)*H]: the tapped layers, then the target's final normed hidden state
