@@ -28,6 +28,8 @@ from dflash_train.training.objective import block_layout, default_gamma, dense_b
 from dflash_train.training.optim import Updater, build_optimizer, build_scheduler
 from dflash_train.training.step import DrafterStep
 
+MATMUL_SPIN_UP_S = 1.0   # seconds of matmuls on the GPU before the peak is timed (bench_matmul)
+
 # ------------------------------------------------------------------------------------------- shared pieces
 
 
@@ -216,13 +218,21 @@ def measure_drafter(ctx: Context, rig: DrafterRig, batches, feats, flops: float)
 def bench_matmul(ctx: Context):
     s, dev = ctx.suite, ctx.device
     n = s.matmul_n
-    warm, iters = (10, 50) if dev.type == "cuda" else (1, 3)
+    warm, iters = (10, 100) if dev.type == "cuda" else (1, 3)
 
     def matmul():
         g = torch.Generator(device=dev).manual_seed(0)
         a = torch.randn(n, n, device=dev, dtype=s.dtype, generator=g)   # random, never zeros (METHOD.md)
         b = torch.randn(n, n, device=dev, dtype=s.dtype, generator=g)
         c = torch.empty(n, n, device=dev, dtype=s.dtype)
+        # After 10 warm-up calls (15 ms) an H200 read 724 TFLOP/s, and 796 four minutes later (2026-12-03): a low
+        # denominator inflates every MFU of the run. Whatever the cause (clocks ramping up after idle is the likely
+        # one, not verified), a second of matmuls before timing keeps warm-up out of the peak.
+        end = time.perf_counter() + (MATMUL_SPIN_UP_S if dev.type == "cuda" else 0.0)
+        while time.perf_counter() < end:
+            for _ in range(20):
+                torch.matmul(a, b, out=c)
+            sync(dev)
         _, ms = time_calls(lambda i: torch.matmul(a, b, out=c), dev, warm, iters)
         tflops = 2 * n ** 3 / (ms * 1e-3) / 1e12
         ctx.peak_tflops = tflops

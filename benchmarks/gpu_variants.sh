@@ -14,10 +14,11 @@
 # model.architecture=dflash2 with its default conv / selector sizes), kd50 (train.kd_weight=0.5), kd100
 # (kd_weight=1), deep (8 draft layers), anchors2k (2,048 anchors per row), lr1e3 (lr 1e-3), rinit (the drafter's
 # layers initialised at random: model.drafter_layer_init=random; the demo copies them from the target since
-# 2026-12-03, before which `ce` meant random and `tinit` the copy), dynamic (train.position_weights=dynamic:
-# acceptance-aware loss weights after D-PACE, with its floor dynamic_alpha=0.5), dynamic0 (the same without the
-# floor: train.dynamic_alpha=0), gamma4 (the fixed decay sharper: train.gamma=4 instead of 7 at B=16). The loss
-# weightings side by side:  PARALLEL=1 bash benchmarks/gpu_variants.sh ce dynamic gamma4
+# 2026-12-03, before which `ce` meant random and `tinit` the copy), decay (the paper's fixed position weights,
+# train.position_weights=decay: the demo's until 2026-12-03, when the acceptance-aware `dynamic` weights, after
+# D-PACE, became the default), gamma4 (decay, sharper: train.gamma=4 instead of 7 at B=16), dynamic0 (dynamic without
+# its floor: train.dynamic_alpha=0), alpha25 (dynamic_alpha=0.25), lr3e3 (lr 3e-3). The loss weightings side by side:
+#   PARALLEL=1 bash benchmarks/gpu_variants.sh ce decay gamma4
 # v1 against v2 at the same data and budget:
 #   PARALLEL=1 TRAIN_MIN=2.5 bash benchmarks/gpu_variants.sh ce v2
 set -u
@@ -61,10 +62,12 @@ variant_args() {
     deep) echo "model.num_draft_layers=8" ;;
     anchors2k) echo "train.num_anchors=2048" ;;
     lr1e3) echo "train.lr=1e-3" ;;
+    lr3e3) echo "train.lr=3e-3" ;;
     rinit) echo "model.drafter_layer_init=random" ;;
-    dynamic) echo "train.position_weights=dynamic" ;;
-    dynamic0) echo "train.position_weights=dynamic train.dynamic_alpha=0" ;;
-    gamma4) echo "train.gamma=4" ;;
+    decay) echo "train.position_weights=decay" ;;
+    gamma4) echo "train.position_weights=decay train.gamma=4" ;;
+    dynamic0) echo "train.dynamic_alpha=0" ;;
+    alpha25) echo "train.dynamic_alpha=0.25" ;;
     *) echo "unknown variant $1" >&2; return 2 ;;
   esac
 }

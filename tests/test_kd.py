@@ -4,6 +4,7 @@ final hidden state in its features, and tiny end-to-end runs (single loop and pi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -190,7 +191,8 @@ def test_step_splits_the_final_hidden_state_off_the_features():
     from dflash_train.data.packing import TrainBatch
 
     batch = TrainBatch(**row, anchors=anchors, anchor_valid=valid)
-    cfg = TrainConfig(kd_weight=0.5, gamma=GAMMA, dtype="fp32", attention="sdpa", compile="eager")
+    cfg = TrainConfig(kd_weight=0.5, gamma=GAMMA, position_weights="decay", dtype="fp32", attention="sdpa",
+                      compile="eager")
     step = DrafterStep(drafter, embed_w, head_w, cfg, torch.device("cpu"))
     assert step.feats_width == feats.shape[1] + head_w.shape[1]
     drafter.zero_grad(set_to_none=False)
@@ -201,8 +203,7 @@ def test_step_splits_the_final_hidden_state_off_the_features():
     with pytest.raises(ValueError, match="final_hidden=True"):
         step(batch, feats.float())
     # compiled (dynamo + AOT autograd, as on the GPU): the same loss and gradients
-    compiled = DrafterStep(drafter, embed_w, head_w, TrainConfig(kd_weight=0.5, gamma=GAMMA, dtype="fp32",
-                                                                 attention="sdpa", compile="default"),
+    compiled = DrafterStep(drafter, embed_w, head_w, dataclasses.replace(cfg, compile="default"),
                            torch.device("cpu"), tag="kd_compiled", backend="aot_eager")
     drafter.zero_grad(set_to_none=False)
     out = compiled(batch, torch.cat([feats.float(), target_hidden], dim=1))

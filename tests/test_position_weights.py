@@ -233,8 +233,8 @@ def test_dflash2_selector_gets_the_same_weights(monkeypatch):
 
 
 def test_config_accepts_the_two_values_and_rejects_others(tmp_path, capsys):
-    assert TrainConfig().position_weights == "decay" and TrainConfig().dynamic_alpha == 0.5
-    assert load_config("tiny_cpu", ["train.position_weights=dynamic"]).train.position_weights == "dynamic"
+    assert TrainConfig().position_weights == "dynamic" and TrainConfig().dynamic_alpha == 0.5
+    assert load_config("tiny_cpu", ["train.position_weights=decay"]).train.position_weights == "decay"
     with pytest.raises(ConfigError, match=r"^train\.position_weights must be one of decay, dynamic \(got 'dpace'\)"):
         load_config("tiny_cpu", ["train.position_weights=dpace"])
     with pytest.raises(ConfigError, match=r"train\.dynamic_alpha is 1\.5; it must be in \[0, 1\]"):

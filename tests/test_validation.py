@@ -56,7 +56,7 @@ def test_decoding_walk_jumps_by_what_each_block_accepts():
 
 
 def test_validation_metrics_equal_a_direct_computation(tiny_llama, tmp_path):
-    cfg = tiny_cfg(tiny_llama, tmp_path, "train.eval_rows=3")
+    cfg = tiny_cfg(tiny_llama, tmp_path, "train.eval_rows=3", "train.position_weights=decay")  # the reference's
     data = load_dataset(cfg.data, None, seed=cfg.train.seed)
     torch.manual_seed(0)
     drafter = build_drafter(cfg.model, target_config_info(tiny_llama)).float()

@@ -266,16 +266,17 @@ class TrainConfig:
     warmup_ratio: float = _f(0.04, "Fraction of steps spent in linear warm-up before the cosine decay.")
     min_lr_ratio: float = _f(0.0, "Cosine schedule ends at lr * min_lr_ratio.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 = off).")
-    gamma: float | None = _f(None, "Loss decay: block position k weighs exp(-(k-1)/gamma). Empty = 7 for B=16, "
-                                   "5 for B=10, 4 for B=8, else B/2.3.")
-    position_weights: str = _f("decay", "How the loss weighs block positions 1..B-1: decay (exp(-(k-1)/gamma), "
-                                        "normalised by the weights' sum) | dynamic (acceptance-aware, after D-PACE: "
-                                        "w_k = the mean over the row's blocks of S_k = sum_{m>=k} prod_{j<=m} s_j, "
-                                        "s_j = (1 - dynamic_alpha) * exp(-CE_j) + dynamic_alpha, relative to w_1, "
-                                        "i.e. each position's share of the gradient of the expected accepted "
-                                        "length, recomputed every step from the step's own loss; gamma is unused). "
-                                        "Validation's loss uses the same weights. dynamic is not yet measured on a "
-                                        "GPU (docs/DESIGN.md).")
+    gamma: float | None = _f(None, "With position_weights=decay: block position k weighs exp(-(k-1)/gamma). "
+                                   "Empty = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3.")
+    position_weights: str = _f("dynamic", "How the loss weighs block positions 1..B-1: dynamic (acceptance-aware, "
+                                          "after D-PACE: w_k = the mean over the row's blocks of S_k = "
+                                          "sum_{m>=k} prod_{j<=m} s_j, s_j = (1 - dynamic_alpha) * exp(-CE_j) + "
+                                          "dynamic_alpha, relative to w_1, i.e. each position's share of the "
+                                          "gradient of the expected accepted length, recomputed every step from the "
+                                          "step's own loss; gamma is unused) | decay (exp(-(k-1)/gamma), normalised "
+                                          "by the weights' sum: the DFlash paper's). Validation's loss uses the same "
+                                          "weights. dynamic led decay by 0.15 tau on unseen prompts at the same "
+                                          "steps on one H200 (docs/BENCHMARKS.md, recipe variants).")
     dynamic_alpha: float = _f(0.5, "With position_weights=dynamic: the floor that smooths each position's label "
                                    "probability p to (1 - alpha) * p + alpha before the products (D-PACE's 0.5), so "
                                    "positions the drafter cannot get right yet still train. In [0, 1]: 0 = the "

@@ -3,9 +3,9 @@
 For anchor a (a position where tokens a and a+1 are both supervised) the block is [token a, MASK x (B-1)] at
 positions pos(a)..pos(a)+B-1; block position k (1..B-1) predicts token a+k. A block's queries see the context
 features strictly before a within a's document, and the B tokens of their own block (bidirectional); never another
-block, never another document. Cross-entropy at position k weighs exp(-(k-1)/gamma), normalised by the weight sum
-(train.position_weights=decay, the default), or by acceptance-aware weights computed from the step's own
-cross-entropy (=dynamic: `dynamic_position_weights`).
+block, never another document. Cross-entropy at position k weighs by acceptance-aware weights computed from the
+step's own cross-entropy (train.position_weights=dynamic, the default: `dynamic_position_weights`), or by
+exp(-(k-1)/gamma), normalised by the weight sum (=decay, the DFlash paper's; `dflash_loss`'s own default).
 With distillation (train.kd_weight = w > 0) the loss at a label position p is (1 - w) * CE(token p) + w * the
 cross-entropy against the target's own distribution for p, softmax(lm_head(target's final hidden state at p - 1)).
 
