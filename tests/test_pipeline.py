@@ -3,6 +3,7 @@ the result never depends on thread timing, resume is exact, and every failure st
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -53,6 +54,9 @@ def test_two_replicas_stay_identical_every_step(tiny_llama, tmp_path):
     assert res.stage_fractions["drafter_busy"] == pytest.approx((busy["drafter0"] + busy["drafter1"]) / 2, rel=0.05)
     log_text = (tmp_path / "run" / "run.log").read_text()
     assert "step     12/12" in log_text and "drafter_wait" in log_text and "done: 12 steps" in log_text
+    # the heap frozen for the training loop and unfrozen after it; each window's collections timed (training/heap.py)
+    assert "heap frozen: " in log_text and "garbage collections during training: " in log_text
+    assert all(h["gc_s"] >= 0 for h in res.history) and gc.get_freeze_count() == 0
     assert (res.drafter_dir / "model.safetensors").is_file()
     assert not pipeline_threads()
 

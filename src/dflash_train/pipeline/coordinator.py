@@ -38,6 +38,7 @@ from ..models.target import load_target
 from ..training.budget import TimeBudget
 from ..training.checkpointing import CheckpointManager, resume_point
 from ..training.cudagraphs import configure_cudagraphs
+from ..training.heap import frozen_heap
 from ..training.metrics import MetricsLogger
 from ..training.optim import follows_clock
 from ..training.plots import write_training_plots
@@ -232,15 +233,18 @@ class _Pipeline:
         if self.control.stop.is_set():
             return
         self._inject("startup")
-        self.phase = "steady"
-        self.guard.arm()
-        self.reporter.restart_window()
-        self.budget.start()
-        self.prefetch.start()
-        self.loader.start()
-        # Out of time (train.max_minutes), the drafters stop early; _shutdown then stops the stages feeding them.
-        self._supervise(lambda: all(w.finished.is_set()
-                                    for w in (self.drafters if self.budget.spent else self.workers)))
+        # The dataset, models and compiled graphs out of the collector's reach (training/heap.py): a full collection
+        # walking them stops every worker for ~1 s at a step nobody chose.
+        with frozen_heap(), self.logger.watch_gc():
+            self.phase = "steady"
+            self.guard.arm()
+            self.reporter.restart_window()
+            self.budget.start()
+            self.prefetch.start()
+            self.loader.start()
+            # Out of time (train.max_minutes), the drafters stop early; _shutdown then stops the stages feeding them.
+            self._supervise(lambda: all(w.finished.is_set()
+                                        for w in (self.drafters if self.budget.spent else self.workers)))
 
     def _supervise(self, done) -> bool:
         """Wait until done(); False when the run is stopping (failure, stall or signal). Stall = a started worker

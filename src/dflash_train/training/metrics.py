@@ -6,17 +6,21 @@ and it happens only on log steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from .budget import TimeBudget
+from .heap import GcWatch
 from .objective import acceptance_from_counts
 
 log = logging.getLogger("dflash_train")
+GC_NOTE_S = 0.05  # a log line names the window's garbage-collection time from this many seconds on
 
 
 class StepWindow:
@@ -72,6 +76,20 @@ class MetricsLogger:
         self._t0 = time.perf_counter()
         self._last_t, self._last_step = self._t0, start_step
         self._excluded_s = 0.0  # this window's time on work that is not training (exclude)
+        self.gc = GcWatch()      # the collector's pauses per window, while watch_gc() is on
+
+    @contextlib.contextmanager
+    def watch_gc(self) -> Iterator[None]:
+        """Time Python's garbage collections for the body (training): each log record gets its window's `gc_s`,
+        the line names it from GC_NOTE_S on, and the body's total is logged at the end (training/heap.py)."""
+        self.gc.take()
+        self.gc.start()
+        try:
+            yield
+        finally:
+            self.gc.stop()
+            log.info(f"garbage collections during training: {self.gc.count}, {self.gc.total_s:.2f}s in all, the "
+                     f"longest {self.gc.longest_s:.3f}s")
 
     def exclude(self, seconds: float) -> None:
         """`seconds` of the current window went to work that is not training (a validation pass, timed and reported
@@ -87,6 +105,7 @@ class MetricsLogger:
         now = time.perf_counter()
         steps = max(1, step - self._last_step)
         excluded, self._excluded_s = self._excluded_s, 0.0
+        gc_s, _ = self.gc.take()  # part of the window's time (every thread waits for a collection), not left out
         dt = max(now - self._last_t - excluded, 0.0) / steps
         self._last_t, self._last_step = now, step
         # Replicas' windows arrive averaged count by count (the ratios are not averaged): derive the ratios here.
@@ -95,7 +114,7 @@ class MetricsLogger:
         rec = {"split": "train", "step": step, "loss": float(metrics["loss"]), "acc": acc,
                "cond_acc": metrics["cond_acc"].float().tolist(), "tau_est": float(metrics["tau_est"]),
                "lr": lr, "step_time_s": dt, "tokens_per_s": self.tokens_per_step / dt if dt > 0 else 0.0,
-               "excluded_s": excluded}
+               "excluded_s": excluded, "gc_s": gc_s}
         if extra:
             rec.update(extra)
         eta = (self.total_steps - step) * dt
@@ -110,6 +129,8 @@ class MetricsLogger:
                 line += f" | {key} {v:.0%}" if isinstance(v, float) else f" | {key} {v}"
         if excluded:
             line += f" | {excluded:.2f}s of validation not counted"
+        if gc_s >= GC_NOTE_S:
+            line += f" | gc {gc_s:.2f}s"
         if extra and extra.get("skipped"):  # steps without an update (non-finite loss, train.nonfinite=skip)
             line += f" | skipped {extra['skipped']}"
         log.info(line)

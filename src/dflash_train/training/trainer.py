@@ -18,6 +18,7 @@ from ..models.target import load_target
 from .budget import TimeBudget
 from .checkpointing import CheckpointManager, resume_point
 from .cudagraphs import configure_cudagraphs
+from .heap import frozen_heap
 from .metrics import MetricsLogger, StepWindow
 from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
@@ -81,9 +82,11 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     step = start_step
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     window = StepWindow()  # the steps since the last log line
-    budget.start()  # the clock starts here; this loop compiles inside its first step
     try:
-        with ckpt:  # leaving waits for the write in flight: its error is raised (logged if another leaves)
+        # the heap frozen and the collector timed for the loop (training/heap.py); leaving ckpt waits for the write
+        # in flight: its error is raised (logged if another leaves)
+        with frozen_heap(), logger.watch_gc(), ckpt:
+            budget.start()  # the clock starts here; this loop compiles inside its first step
             for batch in setup.schedule.iter_from(start_step):
                 b = batch.to(device)
                 feats = target.features(b.input_ids, b.position_ids, b.doc_ids)

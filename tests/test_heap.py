@@ -1,0 +1,83 @@
+"""The garbage collector during training (training/heap.py): the heap frozen for the loop and unfrozen after it, every
+collection counted per log window, and a training run that reports both."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import weakref
+
+import pytest
+
+from dflash_train.training.heap import GcWatch, frozen_heap
+from dflash_train.training.metrics import MetricsLogger
+
+
+class _Node:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the collector frees it
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen():
+    gc.unfreeze()  # whatever froze before (nothing in this suite leaves it frozen) must not blur the counts
+    yield
+    gc.unfreeze()
+
+
+def test_frozen_heap_collects_first_then_freezes_until_the_end():
+    dead = _Node()
+    ref = weakref.ref(dead)
+    del dead
+    assert ref() is not None  # a cycle outlives its last name until a collection
+    with frozen_heap():
+        assert ref() is None, "the garbage cycle was frozen instead of collected"
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        gc.collect()
+        assert gc.get_freeze_count() == frozen  # a collection inside leaves the frozen objects where they are
+    assert gc.get_freeze_count() == 0
+
+
+def test_frozen_heap_unfreezes_when_the_body_fails():
+    with pytest.raises(RuntimeError, match="boom"):
+        with frozen_heap():
+            raise RuntimeError("boom")
+    assert gc.get_freeze_count() == 0
+
+
+def test_gc_watch_counts_collections_per_window_and_stops():
+    watch = GcWatch()
+    watch.start()
+    try:
+        gc.collect()
+        gc.collect(0)
+        _, collections = watch.take()
+        assert collections == 2 and watch.count == 2
+        assert watch.take() == (0.0, 0)  # a window holds only its own collections
+    finally:
+        watch.stop()
+    gc.collect()
+    assert watch.count == 2 and watch.take() == (0.0, 0)
+    assert watch._callback not in gc.callbacks
+    watch.stop()  # twice is harmless
+
+
+def test_log_record_carries_the_window_collections(tmp_path, caplog):
+    import torch
+
+    logger = MetricsLogger(tmp_path, total_steps=4, tokens_per_step=8, log_every=2, tensorboard=False)
+    metrics = {"loss": torch.tensor(1.0), "counts": torch.tensor([[3.0, 1.0], [4.0, 4.0], [3.0, 1.0], [4.0, 3.0]]),
+               "num_labels": torch.tensor(4.0)}
+    with caplog.at_level(logging.INFO, logger="dflash_train"):
+        with logger.watch_gc():
+            gc.collect()
+            rec = logger.log(2, metrics, lr=1e-3)
+            quiet = logger.log(4, metrics, lr=1e-3)
+    logger.close()
+    assert rec["gc_s"] > 0 and quiet["gc_s"] == 0.0
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["gc_s"] > 0 for r in records] == [True, False]
+    assert any(m.startswith("garbage collections during training: 1,") for m in caplog.messages)
+    assert gc.callbacks.count(logger.gc._callback) == 0
