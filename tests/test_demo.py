@@ -94,7 +94,8 @@ def test_regenerate_batch_size_auto_and_errors(chat_target, tmp_path, capsys):
 
     smollm2_kv = 2 * 30 * 3 * 64 * 2          # bytes per token: 2 (K, V) x layers x kv heads x head dim x bf16
     qwen3_8b_kv = 2 * 36 * 8 * 128 * 2
-    assert auto_batch_size(smollm2_kv, 2048, 130 * 2**30) == MAX_AUTO_BATCH == 768   # capped at what was measured
+    assert auto_batch_size(smollm2_kv, 2048, 130 * 2**30) == 1472                    # 1,479 rows fit in half
+    assert auto_batch_size(smollm2_kv, 2048, 200 * 2**30) == MAX_AUTO_BATCH == 1536  # capped at what was measured
     assert auto_batch_size(qwen3_8b_kv, 2048, 120 * 2**30) == 192                    # 204 rows fit, multiple of 64
     assert auto_batch_size(qwen3_8b_kv, 2048, 2**30) == 1                            # never 0
     assert auto_batch_size(qwen3_8b_kv, 2048, None) == 8                             # CPU

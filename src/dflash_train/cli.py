@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-new-tokens", type=int, default=256)
     r.add_argument("--batch-size", default="auto",
                    help="conversations decoded together per device, or 'auto': as many as half the free GPU memory "
-                        "holds KV caches of --max-length for, up to 768 (8 on CPU)"),
+                        "holds KV caches of --max-length for, up to 1536 (8 on CPU)"),
     r.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples (needed by --samples)")
     r.add_argument("--samples", type=int, default=1,
                    help="answers per conversation (sampled, each reproducible from --seed; identical ones dropped); "

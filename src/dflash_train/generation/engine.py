@@ -63,7 +63,9 @@ CHECK_EVERY = 8          # decoding steps between host checks for ended rows (se
 WINDOW = 128             # attention reads the longest live row's slots rounded up to this (one graph per window)
 PREFILL_TOKENS = 1 << 15  # padded prompt tokens per prefill forward (its [n, 1, P, P] mask and activations)
 MIN_PREFILL_SLOTS = 16   # the smallest slot bucket of a prefill forward (prompt lengths round up to a power of two)
-MAX_AUTO_BATCH = 768     # the largest batch measured on real data (docs/dev-log.md section 11: SmolLM2 on an H200)
+# The largest batch `--batch-size auto` picks: measured on an H200 with SmolLM2's shape (docs/BENCHMARKS.md,
+# "Regeneration engine"), the flex engine at 1,536 rows made 1.17-1.19x the generated tokens/s of 768 rows.
+MAX_AUTO_BATCH = 1536
 CPU_BATCH = 8            # `--batch-size auto` on a CPU
 # How a decoding step attends: "mask" (every stepped row reads the first `visible` slots, cuDNN's masked SDPA) or
 # "flex" (each row reads its own 128-slot tiles; inference/attention.RowLengthMask); None = flex on CUDA, mask
