@@ -6,9 +6,11 @@
   PYTHONPATH=src python3 benchmarks/bench.py --suite cpu-smoke         # every benchmark at tiny shapes, seconds
   PYTHONPATH=src python3 benchmarks/bench.py --only pipeline --layouts 1+1,1+3,2+2   # target / drafter GPU splits
   PYTHONPATH=src python3 benchmarks/bench.py --only dflash2           # DFlash v1 vs 2 drafter step, SmolLM2 shape
+  PYTHONPATH=src python3 benchmarks/bench.py --only startup --budget-s 540   # command -> first step, cold and warm
 
 Results also go to $OUT/bench_results.json (or ./bench_results.json), rewritten after every row. Benchmarks live
-in cases.py and cases_end_to_end.py, registered with @benchmark; shapes per suite in harness.py. docs/BENCHMARKS.md records the figures and what they mean.
+in cases.py, cases_end_to_end.py and cases_startup.py, registered with @benchmark; shapes per suite in harness.py.
+docs/BENCHMARKS.md records the figures and what they mean.
 Exit status 1 when a variant failed (the table still prints; the JSON keeps its traceback).
 """
 
@@ -36,7 +38,7 @@ def parse_args(argv=None):
                         "enough to time on a CPU")
     p.add_argument("--only", default="", help="comma-separated benchmarks (default: all): "
                                               "matmul, drafter, target, colocated, pipeline, generate, "
-                                              "dflash2")
+                                              "dflash2; and startup (only when named: ~8 min on one H200)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip variants that would start past this many seconds (gpu default 450)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per variant")
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
 
     import cases  # noqa: F401 - registers the stage benchmarks
     import cases_end_to_end  # noqa: F401 - registers the pipeline and generation benchmarks
+    import cases_startup  # noqa: F401 - registers the start-up benchmark
     from harness import BENCHMARKS, SUITES, Context, Row, first_line, parse_layouts
 
     suite = SUITES[args.suite]
@@ -199,6 +202,10 @@ def derive_ratios(rows) -> dict:
             cont.tokens_per_s / static.tokens_per_s
     out.update(pipeline_ratios([r for r in rows if r.bench == "pipeline" and r.status == "ok" and r.tokens_per_s],
                                colo))
+    for r in rows:   # issue #16's fast start, seconds from the command to the first step
+        if r.bench == "startup" and r.status == "ok" and r.extra.get("first_step_s") is not None:
+            out[f"startup {r.variant}: seconds to the first step (goal <= {r.extra['goal_s']:.0f})"] = \
+                r.extra["first_step_s"]
     return out
 
 
@@ -210,8 +217,14 @@ def pipeline_ratios(rows, colo) -> dict:
     for r in rows:
         layout = r.extra.get("layout", "")
         name = layout or r.variant
+        if r.extra.get("target_mfu") is not None:   # the stages-alone row: the pipeline's own target forward
+            out[f"pipeline's target stage ({r.extra['target_stage']}) MFU (goal P1 >= 0.70)"] = r.extra["target_mfu"]
+        if r.extra.get("eager_target"):   # the path before: only for the comparison below
+            continue
         if "vs_slowest_stage" in r.extra and layout in ("shared", "1+1"):
             out[f"pipeline ({r.variant}) vs slowest stage alone (goal P3 >= 0.95)"] = r.extra["vs_slowest_stage"]
+        if "vs_sequential" in r.extra:
+            out[f"pipeline ({r.variant}) vs its stages back to back (goal >= 0.98)"] = r.extra["vs_sequential"]
         if "vs_ideal" in r.extra and layout != "1+1":
             out[f"pipeline {name} vs min(T x target, D x drafter) alone"] = r.extra["vs_ideal"]
         if "scaling_efficiency" in r.extra:
@@ -222,6 +235,11 @@ def pipeline_ratios(rows, colo) -> dict:
         if layout:
             gpus = 1 if layout == "shared" else sum(int(x) for x in layout.split("+"))
             by_gpus.setdefault(gpus, []).append(r)
+    before = next((r for r in rows if r.extra.get("eager_target") and r.extra.get("layout") == "shared"), None)
+    now = next((r for r in by_gpus.get(1, []) if r.extra.get("layout") == "shared"), None)
+    if before and now:
+        out[f"pipeline one GPU shared, target {now.extra['target_stage']} vs {before.extra['target_stage']} "
+            "(tokens/s)"] = now.tokens_per_s / before.tokens_per_s
     for gpus, group in sorted(by_gpus.items()):
         if len(group) > 1 or gpus > 2:
             best = max(group, key=lambda r: r.tokens_per_s)

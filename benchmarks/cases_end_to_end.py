@@ -1,11 +1,13 @@
 """End-to-end benchmarks: the threaded pipeline against its stages alone, and batched generation (regeneration).
 
-Split from cases.py (stage benchmarks); both register into the same harness registry.
+Split from cases.py (stage benchmarks); both register into the same harness registry (cases_startup.py, the time
+from the command to the first step, reuses the pipeline's configuration from here).
 """
 
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -13,9 +15,14 @@ from pathlib import Path
 import torch
 from harness import Context, Row, Skip, benchmark, layout_devices, sync, time_calls
 
-from cases import DrafterRig, build_target, measure_drafter, target_config
+from cases import DrafterRig, build_target, causal_pairs, measure_drafter, target_config
 from dflash_train.data.packing import make_batch, pack_samples
-from dflash_train.training.flops import drafter_step_flops, visible_pairs
+from dflash_train.models.target import FeatureForward
+from dflash_train.training.cudagraphs import configure_cudagraphs
+from dflash_train.training.flops import drafter_step_flops, target_forward_flops, visible_pairs
+
+# The target worker's forward, as the GPU demo runs it (demo.GPU_OVERRIDES): these keys of its overrides.
+TARGET_STAGE_KEYS = ("model.target_attention", "model.target_graphs", "model.target_compile")
 
 
 def pipeline_steps(ctx: Context) -> tuple[int, int]:
@@ -33,15 +40,40 @@ def sample_len(suite) -> int:
     return max(2, suite.token_budget // suite.num_docs)
 
 
-def pipeline_config(ctx: Context, target_dir: str, out_dir: str, targets: list[str], drafters: list[str], mode: str,
-                    attention: str):
-    from dflash_train.config import load_config
+def drafter_stage(device_type: str) -> tuple[str, str]:
+    """(train.compile, train.attention) of the pipeline's drafter: reduce-overhead and flex on CUDA; eager and sdpa
+    on CPU (inductor's C++ compile would dominate there, and flex has no CPU backward)."""
+    return ("reduce-overhead", "flex") if device_type == "cuda" else ("eager", "sdpa")
 
+
+def target_stage_overrides(device_type: str, eager: bool = False) -> list[str]:
+    """The target worker's forward: on CUDA the GPU demo's (flex attention, compiled, captured as one CUDA graph: its
+    GPU_OVERRIDES, so that the benchmark follows the product); on CPU, or with `eager`, the config's defaults (eager,
+    sdpa: the path before the compiled one)."""
+    if device_type != "cuda" or eager:
+        return []
+    from dflash_train.demo import GPU_OVERRIDES
+
+    return [o for o in GPU_OVERRIDES if o.split("=", 1)[0] in TARGET_STAGE_KEYS]
+
+
+def target_stage_label(model) -> str:
+    """ModelConfig -> 'compile default + CUDA graph, flex' | 'eager, sdpa' (the target benchmark's wording)."""
+    how = "eager" if model.target_compile == "eager" else f"compile {model.target_compile}"
+    return f"{how}{' + CUDA graph' if model.target_graphs else ''}, {model.target_attention}"
+
+
+def pipeline_overrides(ctx: Context, target_dir: str, out_dir: str, targets: list[str], drafters: list[str],
+                       eager_target: bool = False) -> list[str]:
+    """The pipeline benchmark's `section.key=value` overrides of the config's defaults (also what cases_startup.py
+    passes to `dflash-train train`): the suite's shapes, the synthetic source with documents of sample_len tokens,
+    the drafter stage of drafter_stage() and the target stage of target_stage_overrides()."""
     s = ctx.suite
     steps, log_every = pipeline_steps(ctx)
     dtype = "bf16" if s.dtype == torch.bfloat16 else "fp32"
+    mode, attention = drafter_stage(ctx.device.type)
     n = sample_len(s)
-    return load_config(None, [
+    return [
         f"model.target={target_dir}", f"run.out_dir={out_dir}", "run.overwrite=true",
         f"model.block_size={s.block_size}", f"model.num_feature_layers={s.num_taps}",
         f"model.num_draft_layers={s.draft_layers}", "data.source=synthetic",
@@ -50,7 +82,43 @@ def pipeline_config(ctx: Context, target_dir: str, out_dir: str, targets: list[s
         f"train.token_budget={s.token_budget}", f"train.num_anchors={s.num_anchors}", f"train.max_steps={steps}",
         f"train.log_every={log_every}", "train.checkpoint_every=0", f"train.compile={mode}",
         f"train.attention={attention}", f"train.dtype={dtype}", f"pipeline.target_devices=[{','.join(targets)}]",
-        f"pipeline.drafter_devices=[{','.join(drafters)}]", "pipeline.stall_timeout_s=300"])
+        f"pipeline.drafter_devices=[{','.join(drafters)}]", "pipeline.stall_timeout_s=300",
+        *target_stage_overrides(ctx.device.type, eager_target)]
+
+
+def pipeline_config(ctx: Context, target_dir: str, out_dir: str, targets: list[str], drafters: list[str],
+                    eager_target: bool = False):
+    from dflash_train.config import load_config
+
+    return load_config(None, pipeline_overrides(ctx, target_dir, out_dir, targets, drafters, eager_target))
+
+
+def time_target_stage(ctx: Context, target, model, batches: list) -> dict:
+    """The target worker's forward alone on `batches` (on the device): FeatureForward built from `model`
+    (ModelConfig: target_attention, target_compile, target_graphs) as pipeline/target_worker.py builds it, under
+    the training's compile policy. -> ms per row, tokens/s, model FLOPs per row, MFU, the seconds until the first
+    rows were done (compile and capture included), and those rows' features (the drafter's inputs)."""
+    s, dev = ctx.suite, ctx.device
+    T = s.token_budget
+    target.set_attention(model.target_attention)
+    try:
+        if model.target_compile != "eager":
+            configure_cudagraphs()  # what train_pipeline applies before anything compiles
+        t0 = time.perf_counter()
+        forward = FeatureForward(target, T, model.target_compile, model.target_graphs)
+        feats = [forward(b.input_ids, b.position_ids, b.doc_ids) for b in batches]   # [T, k*H] each
+        sync(dev)
+        ready_s = time.perf_counter() - t0
+        _, ms = time_calls(lambda i: forward(batches[i % len(batches)].input_ids,
+                                             batches[i % len(batches)].position_ids,
+                                             batches[i % len(batches)].doc_ids), dev, s.warmup, s.iters)
+    finally:
+        target.set_attention("sdpa")   # the cached target's default, which the other benchmarks expect
+    pairs = statistics.mean(causal_pairs(b.doc_ids.cpu()) for b in batches)
+    flops = target_forward_flops(target.info, max(target.layer_ids) + 1, T, pairs)
+    tflops, mfu = ctx.mfu(flops, ms)
+    return dict(ms=ms, tokens_per_s=T / ms * 1e3, flops=flops, tflops=tflops, mfu=mfu, ready_s=ready_s,
+                label=target_stage_label(model), feats=feats)
 
 
 def layout_variant(layout: str, device_type: str) -> str:
@@ -71,12 +139,20 @@ def default_layouts(device_type: str, visible: int) -> list[str]:
 
 
 @benchmark("pipeline", "threaded pipeline end to end vs its stages alone on the same data, per GPU layout (--layouts: "
-                       "shared, T+D); default one GPU shared, and 1+1 when two GPUs are visible")
+                       "shared, T+D); default one GPU shared, and 1+1 when two GPUs are visible; on CUDA the target "
+                       "stage is the GPU demo's compiled one (flex, compile default, one CUDA graph), and one GPU "
+                       "shared runs once more with the eager target it replaced")
 def bench_pipeline(ctx: Context):
     """The pipeline trains on the synthetic source with documents of token_budget / num_docs tokens (the stage
-    benchmarks' rows); its stages are timed alone on rows of that same data first. Each layout's pipeline gets the
-    in-memory targets this run built, one per target device, equal weights (`load_target` is swapped for the
-    duration): at the Qwen3-8B shape a save + load would cost minutes and measure the disk, not the pipeline."""
+    benchmarks' rows); its stages are timed alone on rows of that same data first: the target worker's forward as
+    the pipeline configures it (target_stage_overrides: on CUDA compiled, flex, one CUDA graph; also the eager sdpa
+    forward before it, seconds) and the drafter step. Each layout's pipeline gets the in-memory targets this run
+    built, one per target device, equal weights (`load_target` is swapped for the duration; the swap applies the
+    attention the pipeline asks for, and the target workers compile and capture these targets exactly as a loaded
+    one, in TargetWorker.setup): at the Qwen3-8B shape a save + load would cost minutes and measure the disk, not the
+    pipeline. On the GPU suites bench.py keeps inductor's cache in one directory for the whole process, so the
+    pipeline's compiles of the graphs the stages-alone row compiled are cache hits (dynamo traces and CUDA graphs are
+    captured again): the cold compile is the stages-alone row's."""
     import tempfile
 
     s, dev = ctx.suite, ctx.device
@@ -89,8 +165,9 @@ def bench_pipeline(ctx: Context):
             raise Skip(reason)
         ctx.variant("pipeline", "loader -> target -> drafter threads", "", missing)
         return
-    mode = "reduce-overhead" if dev.type == "cuda" else "eager"   # CPU: inductor's C++ compile would dominate
-    attention = "flex" if dev.type == "cuda" else "sdpa"
+    from dflash_train.devices import choose
+
+    mode, attention = drafter_stage(dev.type)
     visible = torch.cuda.device_count() if dev.type == "cuda" else 0
     work = Path(tempfile.mkdtemp(prefix="dflash_bench_pipeline_"))
     shape = f"T={s.token_budget} A={s.num_anchors}x{s.block_size} docs {sample_len(s)} tok"
@@ -116,30 +193,43 @@ def bench_pipeline(ctx: Context):
 
     def stages_alone():
         target = build_target(ctx)
-        cfg = pipeline_config(ctx, target_dir(), str(work / "alone"), [home], [home], mode, attention)
+        cfg = pipeline_config(ctx, target_dir(), str(work / "alone"), [home], [home])
         rows = data_rows(cfg)[:4]
         batches = [make_batch(r, s.num_anchors, seed=0, index=i).to(dev) for i, r in enumerate(rows)]
-        feats = [target.features(b.input_ids, b.position_ids, b.doc_ids) for b in batches]
-        _, t_ms = time_calls(lambda i: target.features(batches[i % len(batches)].input_ids,
-                                                       batches[i % len(batches)].position_ids,
-                                                       batches[i % len(batches)].doc_ids), dev, s.warmup, s.iters)
+        t = time_target_stage(ctx, target, cfg.model, batches)
+        feats = t.pop("feats")   # the drafter trains on the pipeline's own target stage's features
+        before = None
+        if dev.type == "cuda":   # the eager sdpa forward the compiled one replaced, on the same rows: seconds
+            eager_cfg = pipeline_config(ctx, target_dir(), str(work / "alone"), [home], [home], eager_target=True)
+            before = time_target_stage(ctx, target, eager_cfg.model, batches)
+            del before["feats"]
         rig = DrafterRig(ctx, mode, attention, tag="bench_pipeline_alone")
         pairs = statistics.mean(visible_pairs(b.anchors, b.doc_ids, s.block_size) for b in batches)
         flops = drafter_step_flops(rig.cfg, s.token_budget, s.num_anchors, pairs)["train"]
         d = measure_drafter(ctx, _FeatsByBatch(rig, batches, feats), batches, None, flops)
-        alone.update(target_tok_s=s.token_budget / t_ms * 1e3, drafter_tok_s=d.tokens_per_s, target_ms=t_ms,
-                     drafter_ms=d.ms)
+        alone.update(target_tok_s=t["tokens_per_s"], target_ms=t["ms"], target_mfu=t["mfu"], target_flops=t["flops"],
+                     target_stage=t["label"], target_ready_s=t["ready_s"], drafter_tok_s=d.tokens_per_s,
+                     drafter_ms=d.ms, drafter_flops=flops)
+        # One device runs both stages in turn: the sequential bound is their times alone added up.
+        alone["sequential_tok_s"] = 1.0 / (1.0 / alone["target_tok_s"] + 1.0 / alone["drafter_tok_s"])
+        was = ""
+        if before:
+            alone.update(target_eager_tok_s=before["tokens_per_s"], target_eager_ms=before["ms"],
+                         target_eager_mfu=before["mfu"], target_eager_stage=before["label"])
+            was = (f" ({before['label']}: {before['ms']:.1f} ms, MFU {_num(before['mfu'])}, "
+                   f"{before['ms'] / t['ms']:.2f}x as long)")
         slow = min(alone["target_tok_s"], alone["drafter_tok_s"])
-        return Row("", "", ms=max(t_ms, d.ms), tokens_per_s=slow,
-                   note=f"target {alone['target_tok_s']:,.0f} tok/s ({t_ms:.1f} ms), drafter {mode} "
-                        f"{alone['drafter_tok_s']:,.0f} tok/s ({d.ms:.1f} ms); tok/s = the slower",
+        return Row("", "", ms=max(t["ms"], d.ms), tokens_per_s=slow,
+                   note=f"target {alone['target_tok_s']:,.0f} tok/s ({t['ms']:.1f} ms, MFU {_num(t['mfu'])}, first "
+                        f"rows after {t['ready_s']:.0f}s){was}, drafter {mode} {alone['drafter_tok_s']:,.0f} tok/s "
+                        f"({d.ms:.1f} ms); back to back {alone['sequential_tok_s']:,.0f} tok/s; tok/s = the slower",
                    extra=dict(alone, drafter=d.extra))
 
-    def pipeline(layout: str):
+    def pipeline(layout: str, eager_target: bool = False):
         def run():
             targets, drafters = layout_devices(layout, dev.type, visible)
-            cfg = pipeline_config(ctx, target_dir(), str(work / f"run_{layout.replace('+', '_')}"), targets, drafters,
-                                  mode, attention)
+            run_dir = work / f"run_{layout.replace('+', '_')}{'_eager_target' if eager_target else ''}"
+            cfg = pipeline_config(ctx, target_dir(), str(run_dir), targets, drafters, eager_target)
             per_row = docs_per_row(cfg)
             devices = sorted({torch.device(d) for d in targets + drafters}, key=str)
             cuda = [d for d in devices if d.type == "cuda"]
@@ -147,13 +237,18 @@ def bench_pipeline(ctx: Context):
             free: list = []    # handed out once each by the swapped load_target, to the device asked for
             original = coordinator.load_target
 
-            def built_target(_path, layer_ids=None, device="cpu", **_kw):
+            def built_target(_path, layer_ids=None, device="cpu", attention="sdpa", final_hidden=False, **_kw):
                 if layer_ids is not None and list(layer_ids) != built[0].layer_ids:
                     raise Skip(f"pipeline drafter taps {list(layer_ids)} != the built target's {built[0].layer_ids}")
+                if final_hidden:
+                    raise Skip("train.kd_weight > 0 needs the target's final hidden state; the built target is "
+                               "truncated after its deepest tap")
                 want = torch.device(device)
                 for i, t in enumerate(free):
                     if t.device == want:
-                        return free.pop(i)
+                        t = free.pop(i)
+                        t.set_attention(choose("attention", attention, [want]))   # what load_target would load
+                        return t
                 raise RuntimeError(f"the pipeline asked for a target on {want}; this layout built them on "
                                    f"{[str(t.device) for t in built]}")
 
@@ -169,8 +264,11 @@ def bench_pipeline(ctx: Context):
                 wall = time.perf_counter() - t0
             finally:
                 coordinator.load_target = original
+                for t in built:
+                    t.set_attention("sdpa")   # the cached target's default, which the other benchmarks expect
                 built.clear()   # the replicas on other GPUs go with the pipeline; harness.free_memory empties caches
                 free.clear()
+                shutil.rmtree(run_dir, ignore_errors=True)   # its checkpoint and drafters: ~17 GB at Qwen3-8B's shape
             late = [h for h in res.history if h["step"] > cfg.train.log_every] or res.history
 
             def mean(k):
@@ -182,47 +280,69 @@ def bench_pipeline(ctx: Context):
             peaks = {str(d): torch.cuda.max_memory_allocated(d) / 2**30 for d in cuda}
             frac = {k: mean(k) for k in ("target_busy", "drafter_busy", "drafter_wait", "target_wait")}
             extra = dict(frac, layout=layout, target_devices=targets, drafter_devices=drafters,
+                         target_stage=target_stage_label(cfg.model), eager_target=eager_target,
                          samples_per_s=samples_s, rows_per_s=tok_s / s.token_budget, sample_len=sample_len(s),
                          docs_per_row=per_row, measured_windows=len(late), peak_gib_per_device=peaks,
                          wall_s=wall, steps=res.steps, log_every=cfg.train.log_every,
                          busy_by_worker=res.stage_fractions.get("busy_by_worker", {}),
                          run_fractions=res.stage_fractions, loss_first=res.history[0]["loss"],
                          loss_last=res.history[-1]["loss"])
-            versus = ""
-            if alone:
-                extra["vs_slowest_stage"] = tok_s / min(alone["target_tok_s"], alone["drafter_tok_s"])
+            versus, tflops, mfu = "", None, None
+            target_tok_s = alone.get("target_eager_tok_s" if eager_target else "target_tok_s")
+            if alone and target_tok_s:   # against the stages alone with this row's own target forward
+                drafter_tok_s = alone["drafter_tok_s"]
+                extra["vs_slowest_stage"] = tok_s / min(target_tok_s, drafter_tok_s)
                 versus = f"{extra['vs_slowest_stage']:.2f} x slowest stage"
-                if layout != "shared":   # T targets and D drafters each at their rate alone; the slower side caps
-                    ideal = min(len(targets) * alone["target_tok_s"], len(drafters) * alone["drafter_tok_s"])
+                if layout == "shared":   # one GPU runs both stages: their times alone add up (the sequential bound)
+                    extra["vs_sequential"] = tok_s * (1.0 / target_tok_s + 1.0 / drafter_tok_s)
+                    versus += f", {extra['vs_sequential']:.3f} x the stages back to back"
+                else:   # T targets and D drafters each at their rate alone; the slower side caps
+                    ideal = min(len(targets) * target_tok_s, len(drafters) * drafter_tok_s)
                     extra["vs_ideal"] = tok_s / ideal
                     versus = f"{extra['vs_ideal']:.2f} x min(T x target, D x drafter) alone"
+                # model FLOPs: every row goes through one target forward and one drafter step
+                tflops = tok_s / s.token_budget * (alone["target_flops"] + alone["drafter_flops"]) / 1e12
+                mfu = tflops / (ctx.peak_tflops * len(devices)) if ctx.peak_tflops else None
             peak_txt = (f"; peak {min(peaks.values()):.1f}-{max(peaks.values()):.1f} GiB/device" if len(peaks) > 1
                         else "")
             note = (f"{samples_s:,.2f} samples/s of {sample_len(s)} tok ({per_row:g}/row); busy target "
                     f"{_pct(frac['target_busy'])} drafter {_pct(frac['drafter_busy'])}; wait drafter "
                     f"{_pct(frac['drafter_wait'])} target {_pct(frac['target_wait'])}; {versus or 'no baseline'}"
                     f"{peak_txt}")
-            return Row("", "", ms=s.token_budget / tok_s * 1e3, tokens_per_s=tok_s,
+            return Row("", "", ms=s.token_budget / tok_s * 1e3, tokens_per_s=tok_s, tflops=tflops, mfu=mfu,
                        peak_gib=max(peaks.values()) if peaks else None, note=note, extra=extra)
         return run
 
-    ctx.variant("pipeline", f"stages alone, same data (target eager, drafter {mode})", shape, stages_alone, cost_s=90)
-    for layout in s.layouts or default_layouts(dev.type, visible):
-        targets, drafters = layout_devices(layout, dev.type)
-        if dev.type == "cuda" and len(set(targets + drafters)) > visible:
-            ctx.variant("pipeline", layout_variant(layout, dev.type), shape, pipeline(layout))  # a skipped row
-            continue
-        # Drafter replicas compile and capture one at a time: ~40 s each is a guess (inductor's cache key holds the
-        # device index, so each GPU compiles once per machine); each extra target is built in seconds.
-        ctx.variant("pipeline", layout_variant(layout, dev.type), shape, pipeline(layout),
-                    cost_s=60 + 40 * len(drafters) + 15 * (len(targets) - 1))
+    # Costs for the time budget (seconds, a cold inductor cache on one H200): the stages alone compile the drafter
+    # step (~200 s) and the target forward (~50 s); a pipeline then loads both from the cache, traces and captures
+    # (~20 s per target, ~40 s per drafter replica, one at a time), trains and writes its checkpoint (~60 s).
+    label = target_stage_label(pipeline_config(ctx, target_dir(), str(work / "alone"), [home], [home]).model)
+    layouts = s.layouts or default_layouts(dev.type, visible)
+    try:
+        ctx.variant("pipeline", f"stages alone, same data (target {label}, drafter {mode})", shape, stages_alone,
+                    cost_s=270 if dev.type == "cuda" else 90)
+        for layout in layouts:
+            targets, drafters = layout_devices(layout, dev.type)
+            if dev.type == "cuda" and len(set(targets + drafters)) > visible:
+                ctx.variant("pipeline", layout_variant(layout, dev.type), shape, pipeline(layout))  # a skipped row
+                continue
+            ctx.variant("pipeline", layout_variant(layout, dev.type), shape, pipeline(layout),
+                        cost_s=60 + 40 * len(drafters) + 20 * len(targets))
+        if dev.type == "cuda" and "shared" in layouts:   # the path before, in the same run: last, if time is left
+            eager = target_stage_label(pipeline_config(ctx, target_dir(), str(work / "alone"), [home], [home],
+                                                       eager_target=True).model)
+            ctx.variant("pipeline", f"{layout_variant('shared', dev.type)}, target {eager} (before)", shape,
+                        pipeline("shared", eager_target=True), cost_s=100)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     annotate_scaling(ctx.rows)
 
 
 def annotate_scaling(rows: list[Row]) -> None:
     """Scaling efficiency of 1 target + N drafters against 1+1 in the same run: tokens/s(1+N) / (N x tokens/s(1+1)),
     into the 1+N rows' extra and note."""
-    ok = {r.extra["layout"]: r for r in rows if r.bench == "pipeline" and r.status == "ok" and "layout" in r.extra}
+    ok = {r.extra["layout"]: r for r in rows if r.bench == "pipeline" and r.status == "ok" and "layout" in r.extra
+          and not r.extra.get("eager_target")}
     base = ok.get("1+1")
     if base is None:
         return
@@ -421,3 +541,7 @@ class _FeatsByBatch:
 
 def _pct(x) -> str:
     return "?" if x is None else f"{x:.0%}"
+
+
+def _num(x) -> str:
+    return "?" if x is None else f"{x:.3f}"

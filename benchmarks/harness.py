@@ -218,7 +218,7 @@ def summary(r: Row) -> str:
         parts.append(f"MFU {r.mfu:.3f}")
     if r.peak_gib is not None:
         parts.append(f"peak {r.peak_gib:.1f} GiB")
-    return ", ".join(p for p in parts if p)
+    return ", ".join(p for p in parts if p) if r.ms is not None or r.tokens_per_s else r.note[:200]
 
 
 # ---------------------------------------------------------------------------------------- device helpers
