@@ -9,8 +9,8 @@
   PYTHONPATH=src python3 benchmarks/bench.py --only startup --budget-s 540   # command -> first step, cold and warm
 
 Results also go to $OUT/bench_results.json (or ./bench_results.json), rewritten after every row. Benchmarks live
-in cases.py, cases_end_to_end.py and cases_startup.py, registered with @benchmark; shapes per suite in harness.py.
-docs/BENCHMARKS.md records the figures and what they mean.
+in cases.py, cases_end_to_end.py, cases_generate.py and cases_startup.py, registered with @benchmark; shapes per
+suite in harness.py. docs/BENCHMARKS.md records the figures and what they mean.
 Exit status 1 when a variant failed (the table still prints; the JSON keeps its traceback).
 """
 
@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     import torch
 
     import cases  # noqa: F401 - registers the stage benchmarks
-    import cases_end_to_end  # noqa: F401 - registers the pipeline and generation benchmarks
+    import cases_end_to_end  # noqa: F401 - registers the pipeline benchmark
+    import cases_generate  # noqa: F401 - registers the generation benchmark
     import cases_startup  # noqa: F401 - registers the start-up benchmark
     from harness import BENCHMARKS, SUITES, Context, Row, first_line, parse_layouts
 
