@@ -14,6 +14,8 @@
 #   vpoll / vcollect   the same for the variants (their files: variants.txt, metrics_<variant>.jsonl, the
 #            regenerated data gzipped)
 #   collect  the demo's table, logs, metrics and eval reports into $OUT
+#   bench    after the demo, on the same machine: issue #16's Qwen3-8B benchmarks named in BENCH (default startup:
+#            command -> first step, cold then warm; or pipeline), within BENCH_S seconds (default 500), JSON to $OUT
 # The GGUF halves: `split -n 2 -d SmolLM2-135M-Instruct.Q4_1.gguf` into .gpu/a and .gpu/b (git-ignored).
 set -u
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -113,10 +115,24 @@ vpoll() {
   for f in $S/variant_*.log; do echo "-- $f"; grep -E " step |val " $f | tail -2; done 2>/dev/null
 }
 
-vcollect() {
+vbench() {
+  banner "bench --only ${BENCH:-startup}"; mkdir -p "$OUT"
+  rm -rf $S/runs/variant_* /tmp/dflash_bench_* 2>/dev/null  # the startup runs need ~35 GB of /tmp
+  timeout $(( ${BENCH_S:-500} + 60 )) python3 benchmarks/bench.py --only "${BENCH:-startup}" --budget-s "${BENCH_S:-500}" \
+      --json "$OUT/bench_${BENCH:-startup}.json" 2>&1 | grep -v -E "^    \| .*(it/s\]|s/it\])" | tail -40
+}
+
+collect() {
   mkdir -p "$OUT"
   cp $S/variants.log $S/out/* "$OUT/" 2>/dev/null
   cat $S/out/variants.txt 2>/dev/null
+}
+
+bench() {
+  banner "bench --only ${BENCH:-startup}"; mkdir -p "$OUT"
+  rm -rf $S/runs/variant_* /tmp/dflash_bench_* 2>/dev/null  # the startup runs need ~35 GB of /tmp
+  timeout $(( ${BENCH_S:-500} + 60 )) python3 benchmarks/bench.py --only "${BENCH:-startup}" --budget-s "${BENCH_S:-500}" \
+      --json "$OUT/bench_${BENCH:-startup}.json" 2>&1 | grep -v -E "^    \| .*(it/s\]|s/it\])" | tail -40
 }
 
 collect() {
