@@ -115,14 +115,7 @@ vpoll() {
   for f in $S/variant_*.log; do echo "-- $f"; grep -E " step |val " $f | tail -2; done 2>/dev/null
 }
 
-vbench() {
-  banner "bench --only ${BENCH:-startup}"; mkdir -p "$OUT"
-  rm -rf $S/runs/variant_* /tmp/dflash_bench_* 2>/dev/null  # the startup runs need ~35 GB of /tmp
-  timeout $(( ${BENCH_S:-500} + 60 )) python3 benchmarks/bench.py --only "${BENCH:-startup}" --budget-s "${BENCH_S:-500}" \
-      --json "$OUT/bench_${BENCH:-startup}.json" 2>&1 | grep -v -E "^    \| .*(it/s\]|s/it\])" | tail -40
-}
-
-collect() {
+vcollect() {
   mkdir -p "$OUT"
   cp $S/variants.log $S/out/* "$OUT/" 2>/dev/null
   cat $S/out/variants.txt 2>/dev/null
