@@ -113,6 +113,8 @@ class _ScriptedStep:
     """A step whose validations follow a script: every block of validation v accepts taus[v] tokens (an integer),
     so decoding's walk over any reply long enough averages exactly taus[v]."""
 
+    device = torch.device("cpu")
+
     def __init__(self, taus, batches_per_validation: int):
         self.taus, self.n, self.calls = list(taus), batches_per_validation, 0
 

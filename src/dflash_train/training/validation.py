@@ -210,6 +210,10 @@ class Validator:
         """Validate at `step` (weights after `step` updates); returns the val record. Host-syncs (log steps only)."""
         if not self.enabled:
             return None
+        # The training work still queued on the device is training's: finish it before the clock that the log window
+        # leaves out starts (without this, each window holding a validation read 2.3-3.1% fast in the demo).
+        if step_fn.device.type == "cuda":
+            torch.cuda.synchronize(step_fn.device)
         t0 = time.perf_counter()
         metrics = evaluate_rows(step_fn, self.rows)
         tau = float(metrics.pop("tau_decoding"))
