@@ -211,7 +211,7 @@ class Validator:
         if not self.enabled:
             return None
         # The training work still queued on the device is training's: finish it before the clock that the log window
-        # leaves out starts (without this, each window holding a validation read 2.3-3.1% fast in the demo).
+        # leaves out starts (each window holding a validation read 2.3-3.1% fast in the demo before this).
         if step_fn.device.type == "cuda":
             torch.cuda.synchronize(step_fn.device)
         t0 = time.perf_counter()
