@@ -22,8 +22,12 @@ class _Node:
 @pytest.fixture(autouse=True)
 def _unfrozen():
     gc.unfreeze()  # whatever froze before (nothing in this suite leaves it frozen) must not blur the counts
+    enabled = gc.isenabled()
+    gc.disable()   # only the collections a test asks for: an automatic one would change the counts
     yield
     gc.unfreeze()
+    if enabled:
+        gc.enable()
 
 
 def test_frozen_heap_collects_first_then_freezes_until_the_end():
