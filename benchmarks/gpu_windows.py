@@ -9,6 +9,9 @@ boundary in every few windows. Weights do not change the speed of a step; the da
 than chat data's.
 
   Run (from the repo root of a GPU machine): PYTHONPATH=src python3 benchmarks/gpu_windows.py [steps]
+  Read a finished run instead (any machine), e.g. the GPU demo's records:
+    python3 benchmarks/gpu_windows.py --run docs/gpu-runs/2026-12-03-demo-f/metrics.jsonl \
+        docs/gpu-runs/2026-12-03-demo-f/demo.log 500 2000     # its eval_every and checkpoint_every
 """
 
 from __future__ import annotations
@@ -70,10 +73,10 @@ def train(steps: int) -> Path:
     return out
 
 
-def report(out: Path) -> None:
-    recs = [json.loads(x) for x in open(out / "metrics.jsonl")]
+def report(metrics: Path, log: Path, eval_every: int = EVAL_EVERY, checkpoint_every: int = CHECKPOINT_EVERY) -> None:
+    recs = [json.loads(x) for x in open(metrics)]
     train = [r for r in recs if r.get("split", "train") == "train" and "tokens_per_s" in r]
-    found = re.search(r"(\d+) rows of \d+ tokens per epoch", (WORK / "train.log").read_text())
+    found = re.search(r"(\d+) rows of \d+ tokens per epoch", log.read_text())
     rows_per_epoch = int(found.group(1)) if found else None
     print(f"{rows_per_epoch} rows (steps) per epoch")
     windows = train[1:]  # the first holds the compile and the CUDA graph captures
@@ -88,9 +91,9 @@ def report(out: Path) -> None:
         held = []
         first = r["step"] - LOG_EVERY
         # A validation or a checkpoint at step s runs after step s is logged: in the window that starts there.
-        if first % EVAL_EVERY == 0 and first > 0:
+        if first % eval_every == 0 and first > 0:
             held.append("validation")
-        if first % CHECKPOINT_EVERY == 0 and first > 0:
+        if first % checkpoint_every == 0 and first > 0:
             held.append("checkpoint")
         if rows_per_epoch and any(first < s <= r["step"] for s in range(rows_per_epoch, r["step"] + 1,
                                                                         rows_per_epoch)):
@@ -98,8 +101,16 @@ def report(out: Path) -> None:
         if abs(dev) > 0.03 or held:
             print(f"{r['step']} | {r['tokens_per_s']:,.0f} | {dev:+.1%} | {r.get('excluded_s', 0.0):.2f} | "
                   f"{', '.join(held) or '-'}")
+    if any("gc_s" in r for r in windows):
+        print(f"garbage collection: {sum(r.get('gc_s', 0.0) for r in windows):.2f} s in all, the most in one window "
+              f"{max(r.get('gc_s', 0.0) for r in windows):.3f} s")
 
 
 if __name__ == "__main__":
-    WORK.mkdir(parents=True, exist_ok=True)
-    report(train(int(sys.argv[1]) if len(sys.argv) > 1 else 3000))
+    if sys.argv[1:2] == ["--run"]:
+        metrics, log, *every = sys.argv[2:]
+        report(Path(metrics), Path(log), *map(int, every))
+    else:
+        WORK.mkdir(parents=True, exist_ok=True)
+        out = train(int(sys.argv[1]) if len(sys.argv) > 1 else 3000)
+        report(out / "metrics.jsonl", WORK / "train.log")
