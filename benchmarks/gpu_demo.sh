@@ -9,8 +9,10 @@
 #   check2   the tiny pipeline with a DFlash 2 drafter (model.architecture=dflash2)
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)
-#   poll     the demo log's last lines (issue the next call at once: a machine idle for 30 s is given back, and
-#            the demo with it)
+#   poll     wait until the demo ends or POLL_S seconds (default 500) pass, then the demo log's last lines (issue the
+#            next call at once: a machine idle for 30 s is given back, and the demo with it)
+#   finish   the demo's last poll and what follows, in one call so that no idle gap can lose the machine: wait for
+#            the demo to end (at most POLL_S), collect, then `bench` with what is left of FINISH_S (default 560)
 #   vpoll / vcollect   the same for the variants (their files: variants.txt, metrics_<variant>.jsonl, the
 #            regenerated data gzipped)
 #   collect  the demo's table, logs, metrics and eval reports into $OUT
@@ -23,14 +25,24 @@ S=/tmp/dflash
 OUT=${OUT:-/tmp/out}
 GGUF=$S/SmolLM2-135M-Instruct.Q4_1.gguf
 banner() { echo; echo "=== $1 ($(date +%T))"; }
-# detach LOG CMD...: CMD in its own session (it outlives the device call), output to LOG, run from /tmp, and no
-# descriptor inherited but 0-2. `setsid nohup CMD > LOG 2>&1 &` is not enough here: bash keeps a copy of the call's
+# detach LOG CMD...: CMD in its own session (it outlives the device call), output to LOG, its pid to LOG.pid, run
+# from /tmp, and no descriptor inherited but 0-2. `setsid nohup CMD > LOG 2>&1 &` is not enough here: bash keeps a copy of the call's
 # output pipe (fd 251, from `... | tee` below), the child inherits it, and the device call then waits for the whole
 # demo (the `start` calls of 2026-12-02 and -03 ran into their time limits without output).
 detach() {
   python3 -c 'import subprocess, sys
-subprocess.Popen(sys.argv[2:], stdout=open(sys.argv[1], "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                 start_new_session=True, close_fds=True, cwd="/tmp")' "$@"
+p = subprocess.Popen(sys.argv[2:], stdout=open(sys.argv[1], "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                     start_new_session=True, close_fds=True, cwd="/tmp")
+open(sys.argv[1] + ".pid", "w").write(str(p.pid))' "$@"
+}
+
+# wait_for LOG SECONDS: sleep until the job detached with LOG has ended, or SECONDS have passed. A poll that sleeps
+# its full time after the job ended wastes device time, and one that returns while the job still runs leaves a gap
+# before the next call in which the machine may be given back (30 s idle), the job with it.
+wait_for() {
+  local end=$(( SECONDS + $2 ))
+  while (( SECONDS < end )) && kill -0 "$(cat "$1.pid" 2>/dev/null)" 2>/dev/null; do sleep 5; done
+  kill -0 "$(cat "$1.pid" 2>/dev/null)" 2>/dev/null && echo "(still running after $2 s)" || echo "(ended)"
 }
 
 stage() {
@@ -102,14 +114,14 @@ start() {
 }
 
 poll() {
-  sleep "${POLL_S:-500}"
+  wait_for $S/demo.log "${POLL_S:-500}"
   collect > /dev/null  # what ran so far (log, finished evaluations) comes back even if the lease ends
   grep -v -E "it/s\]|s/it\]" $S/demo.log | grep -v "^.*step .*tok/s" | tail -12
   grep -E "^.* step " $S/demo.log | tail -3
 }
 
 vpoll() {
-  sleep "${POLL_S:-500}"
+  wait_for $S/variants.log "${POLL_S:-500}"
   collect > /dev/null  # what ran so far (log, finished evaluations) comes back even if the lease ends
   tail -4 $S/variants.log
   for f in $S/variant_*.log; do echo "-- $f"; grep -E " step |val " $f | tail -2; done 2>/dev/null
@@ -126,6 +138,14 @@ bench() {
   rm -rf $S/runs/variant_* /tmp/dflash_bench_* 2>/dev/null  # the startup runs need ~35 GB of /tmp
   timeout $(( ${BENCH_S:-500} + 60 )) python3 benchmarks/bench.py --only "${BENCH:-startup}" --budget-s "${BENCH_S:-500}" \
       --json "$OUT/bench_${BENCH:-startup}.json" 2>&1 | grep -v -E "^    \| .*(it/s\]|s/it\])" | tail -40
+}
+
+finish() {
+  local t0=$SECONDS
+  poll
+  collect
+  local left=$(( ${FINISH_S:-560} - (SECONDS - t0) - 90 ))  # 90 s: the bench's own start and timeout margin
+  if (( left > 120 )); then BENCH_S=$left bench; else echo "no time left for a bench ($left s)"; fi
 }
 
 collect() {
