@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_ORDER = ["drafter", "target", "colocated", "pipeline", "generate", "dflash2"]
+DEFAULT_ORDER = ["drafter", "optimizer", "target", "colocated", "pipeline", "generate", "dflash2"]
 
 
 def parse_args(argv=None):

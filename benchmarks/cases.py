@@ -282,6 +282,34 @@ def bench_drafter(ctx: Context):
         ctx.variant("drafter", name, shape, run, cost_s=cost)
 
 
+@benchmark("optimizer", "the update alone (clip + optimizer + schedule + zero grads) on the suite's drafter: fused "
+                        "AdamW vs train.optimizer=muon (Muon for the matrices, Newton-Schulz in bf16 on CUDA)")
+def bench_optimizer(ctx: Context):
+    s, dev = ctx.suite, ctx.device
+    cfg = drafter_config(s)
+    warm, iters = (5, 50) if dev.type == "cuda" else (1, 3)
+    for name in ("adamw", "muon"):
+        def run(name=name):
+            torch.manual_seed(0)
+            with torch.device(dev):
+                params = list(DFlashDrafter(cfg).parameters())
+            tcfg = TrainConfig(optimizer=name, warmup_ratio=0.0)
+            opt = build_optimizer(params, tcfg, dev)
+            update = Updater(params, opt, build_scheduler(opt, tcfg, 10**6), 1.0, "skip", announce=False)
+            grads = [torch.randn_like(p) for p in params]
+
+            def one(i):
+                for p, g in zip(params, grads):
+                    p.grad = g.clone() if p.grad is None else p.grad.copy_(g)
+                update(i + 1)
+            _, ms = time_calls(one, dev, warm, iters)
+            matrices = sum(p.numel() for p in params if p.dim() == 2)
+            return Row("", "", ms=ms, note=f"{sum(p.numel() for p in params) / 1e6:.1f} M params "
+                                           f"({matrices / 1e6:.1f} M in matrices); grads copied in each call",
+                       extra={"params": sum(p.numel() for p in params)})
+        ctx.variant("optimizer", name, f"{cfg.num_hidden_layers} layers x {cfg.hidden_size}", run, cost_s=20)
+
+
 @benchmark("dflash2", "drafter training step, DFlash v1 and DFlash 2 side by side (model.architecture), compile "
                       "reduce-overhead, at the SmolLM2-135M demo's shape on GPU (the smoke suite: its tiny shape)")
 def bench_dflash2(ctx: Context):

@@ -25,9 +25,10 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     rows = res["rows"]
-    assert {r["bench"] for r in rows} == {"matmul", "drafter", "target", "colocated", "pipeline", "generate",
-                                          "dflash2"}
+    assert {r["bench"] for r in rows} == {"matmul", "drafter", "optimizer", "target", "colocated", "pipeline",
+                                          "generate", "dflash2"}
     ok = {(r["bench"], r["variant"]) for r in rows if r["status"] == "ok"}
+    assert {v for b, v in ok if b == "optimizer"} == {"adamw", "muon"}
     assert {v for b, v in ok if b == "drafter"} == {"eager", "reference: dense mask+SDPA, fp32 logits, eager",
                                                     "compile default", "compile reduce-overhead"}
     for r in rows:

@@ -87,14 +87,20 @@ def test_result_does_not_depend_on_how_many_targets_race(tiny_llama, tmp_path):
     assert set(two.stage_fractions["busy_by_worker"]) == {"target0", "target1", "drafter0", "drafter1"}
 
 
-def test_resume_after_a_crash_is_exact(tiny_llama, tmp_path, monkeypatch):
-    straight = train_pipeline(cfg_for(tiny_llama, tmp_path / "straight", drafters=("cpu", "cpu")))
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_after_a_crash_is_exact(optimizer, tiny_llama, tmp_path, monkeypatch):
+    opt = {"train.optimizer": optimizer}
+    straight = train_pipeline(cfg_for(tiny_llama, tmp_path / "straight", drafters=("cpu", "cpu"), **opt))
     run = tmp_path / "crashed"
     monkeypatch.setenv(ENV_VAR, "drafter1:step=7:raise")
     with pytest.raises(RuntimeError, match="drafter1 failed"):
-        train_pipeline(cfg_for(tiny_llama, run, drafters=("cpu", "cpu"), **{"train.checkpoint_every": 5}))
+        train_pipeline(cfg_for(tiny_llama, run, drafters=("cpu", "cpu"), **{"train.checkpoint_every": 5}, **opt))
     monkeypatch.delenv(ENV_VAR)
-    resumed = train_pipeline(cfg_for(tiny_llama, run, drafters=("cpu", "cpu"), **{"run.resume": "auto"}))
+    other = "adamw" if optimizer == "muon" else "muon"
+    with pytest.raises(ConfigError, match=f"already holds a different run \\(train.optimizer '{optimizer}' -> "):
+        train_pipeline(cfg_for(tiny_llama, run, drafters=("cpu", "cpu"),
+                               **{"run.resume": "auto", "train.optimizer": other}))
+    resumed = train_pipeline(cfg_for(tiny_llama, run, drafters=("cpu", "cpu"), **{"run.resume": "auto"}, **opt))
     assert "resuming from" in (run / "run.log").read_text()
     assert resumed.replica_checksums == straight.replica_checksums[5:]  # steps 6..12, trained once more
     assert_same_weights(resumed.drafter_dir, straight.drafter_dir)

@@ -27,10 +27,12 @@ def tiny_cfg(target, out, **over):
     return load_config("tiny_cpu", ov)
 
 
-def test_tiny_run_learns_the_predictable_stream(tiny_llama, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_tiny_run_learns_the_predictable_stream(optimizer, tiny_llama, tmp_path):
     # The synthetic stream is fully determined by its previous token (period 8): a random drafter scores ~1/128
     # (the vocabulary), the best unigram guess 1/8; a drafter that learned the rule scores 1 at every position.
-    cfg = tiny_cfg(tiny_llama, tmp_path / "run", **{"train.max_steps": 80, "train.log_every": 1})
+    cfg = tiny_cfg(tiny_llama, tmp_path / "run", **{"train.max_steps": 80, "train.log_every": 1,
+                                                   "train.optimizer": optimizer})
     res = train_single_device(cfg)
     first, last = res.history[0], res.history[-1]
     assert first["acc"][0] < 0.3, first["acc"]

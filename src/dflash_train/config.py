@@ -260,9 +260,13 @@ class DataConfig:
 class TrainConfig:
     token_budget: int = _f(2048, "Tokens per packed row; every step has exactly this shape (fixed for CUDA graphs).")
     num_anchors: int = _f(256, "Anchors (blocks) sampled per row each step; fixed so shapes never change.")
-    lr: float = _f(6e-4, "Peak learning rate (AdamW).")
-    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    lr: float = _f(6e-4, "Peak learning rate (both optimizers: Muon's updates are scaled to AdamW's RMS).")
+    weight_decay: float = _f(0.0, "Decoupled weight decay (both optimizers).")
     betas: list[float] = _f([0.9, 0.95], "AdamW betas.")
+    optimizer: str = _f("adamw", "adamw | muon: Muon (momentum orthogonalised by Newton-Schulz, scaled to AdamW's "
+                                 "update RMS) for the drafter's weight matrices, AdamW for its vectors "
+                                 "(training/muon.py). A run resumes only with the optimizer it was trained with.")
+    muon_momentum: float = _f(0.95, "With optimizer=muon: the matrices' Nesterov momentum.")
     warmup_ratio: float = _f(0.04, "Fraction of steps spent in linear warm-up before the cosine decay.")
     min_lr_ratio: float = _f(0.0, "Cosine schedule ends at lr * min_lr_ratio.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 = off).")
@@ -376,6 +380,8 @@ class TrainConfig:
         if self.compile_cache_dir is not None and Path(self.compile_cache_dir).expanduser().is_file():
             raise ConfigError(f"train.compile_cache_dir {self.compile_cache_dir!r} is a file, not a directory; "
                               "choose another train.compile_cache_dir, or leave it empty.")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"train.muon_momentum must be in [0, 1), e.g. 0.95 (got {self.muon_momentum}).")
         if len(self.betas) != 2:
             raise ConfigError("train.betas must be a list of two floats, e.g. [0.9, 0.95].")
         if not 0.0 <= self.kd_weight <= 1.0:
@@ -385,7 +391,8 @@ class TrainConfig:
                               ("attention", ("auto", "sdpa", "flex")),
                               ("dtype", ("auto", "bf16", "fp32")),
                               ("nonfinite", ("skip", "stop")),
-                              ("position_weights", ("decay", "dynamic"))):
+                              ("position_weights", ("decay", "dynamic")),
+                              ("optimizer", ("adamw", "muon"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {', '.join(allowed)} "
                                   f"(got {getattr(self, name)!r}).")

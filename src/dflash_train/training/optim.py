@@ -1,4 +1,5 @@
-"""AdamW on fp32 master weights with a linear warm-up + cosine schedule, and the update every training loop runs."""
+"""The optimizer on fp32 master weights (AdamW, or Muon for the matrices: train.optimizer), a linear warm-up + cosine
+schedule, and the update every training loop runs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import UserError
+from .muon import MuonAdamW
 
 log = logging.getLogger("dflash_train")
 
@@ -17,7 +19,10 @@ class NonFiniteError(UserError):
     """A step's gradients were NaN/Inf and train.nonfinite=stop; the message names the step."""
 
 
-def build_optimizer(params, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(params, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    if cfg.optimizer == "muon":
+        return MuonAdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                         momentum=cfg.muon_momentum)
     # fused AdamW is one kernel per step on CUDA; on CPU the default (foreach) implementation is used.
     fused = device.type == "cuda"
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
@@ -97,9 +102,9 @@ class Updater:
     (the schedule still advances, so the LR stays a function of the step); with train.nonfinite=stop it raises
     NonFiniteError naming the step instead. Replicas run this on identical averaged gradients, so all of them decide
     the same. Where the decision is made:
-    - on the device, when the optimizer is fused AdamW (CUDA) and nonfinite=skip: "not finite" goes to the fused
-      kernel as `found_inf` (the protocol torch's GradScaler uses), which then changes nothing, and a device counter
-      adds it up. No host sync per step: the count is read by `skipped(step)`, at log steps and at the end.
+    - on the device, when the optimizer is fused AdamW (CUDA) or MuonAdamW and nonfinite=skip: "not finite" goes
+      to the optimizer as `found_inf` (the protocol torch's GradScaler uses), which then changes nothing, and a
+      device counter adds it up. No host sync per step: the count is read by `skipped(step)`, at log steps and at the end.
     - on the host otherwise (CPU's foreach AdamW, or nonfinite=stop, which must raise at that very step): one
       bool() per step, and the skip is announced at once.
     """
@@ -109,8 +114,9 @@ class Updater:
         self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
         self.grad_clip, self.nonfinite = grad_clip, nonfinite
         self.announce, self.where = announce, where  # log a warning per skip; " on every replica" etc.
-        fused = any(g.get("fused") for g in optimizer.param_groups)
-        self.on_device = fused and nonfinite == "skip"
+        on_device = any(g.get("fused") for g in optimizer.param_groups) or getattr(optimizer, "handles_found_inf",
+                                                                                   False)
+        self.on_device = on_device and nonfinite == "skip"
         self._count = torch.zeros((), dtype=torch.float32, device=params[0].device) if self.on_device else None
         self._host_count = 0   # host mode: the count; device mode: the count at the last read
 
@@ -122,7 +128,7 @@ class Updater:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
         if self.on_device:
             bad = (~torch.isfinite(norm)).to(torch.float32)
-            self.optimizer.found_inf = bad    # read by fused AdamW: skip the whole update when 1
+            self.optimizer.found_inf = bad    # read by fused AdamW and MuonAdamW: skip the whole update when 1
             self.optimizer.step()
             self._count += bad
         elif bool(torch.isfinite(norm)):      # a host sync: this mode decides on the host (class docstring)
