@@ -23,6 +23,8 @@
 #   PARALLEL=1 bash benchmarks/gpu_variants.sh ce decay gamma4
 # v1 against v2 at the same data and budget:
 #   PARALLEL=1 TRAIN_MIN=2.5 bash benchmarks/gpu_variants.sh ce v2
+# A whole session's plan in one job: variants side by side, then issue #16's benchmarks one after the other:
+#   PARALLEL=1 TRAIN_MIN=4 bash benchmarks/gpu_variants.sh regen ce muon anchors512 bench:startup bench:pipeline
 set -u
 export PYTHONPATH=/tmp/site:${SRC:-/tmp/dflash/src} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 S=/tmp/dflash
@@ -107,9 +109,24 @@ EOF
   cp $run/metrics.jsonl "$OUT/metrics_$v.jsonl" 2>/dev/null
 }
 
+# bench:NAME after the variants (it waits for those running side by side): `bench.py --only NAME` within BENCH_S
+# seconds (default 420), its JSON and log to $OUT, so that one detached job holds a session's whole GPU plan and no
+# idle gap between device calls can cost it.
+bench_after() {
+  echo "=== bench --only $1 ($(date +%T))"
+  rm -rf $S/runs/variant_* /tmp/dflash_bench_* 2>/dev/null  # their files are in $OUT; startup needs ~35 GB of /tmp
+  (cd $S && timeout $(( ${BENCH_S:-420} + 60 )) python3 benchmarks/bench.py --only "$1" --budget-s "${BENCH_S:-420}" \
+      --json "$OUT/bench_$1.json") > "$OUT/bench_$1.log" 2>&1
+  grep -v -E "it/s\]|s/it\]" "$OUT/bench_$1.log" | tail -25
+}
+
 pids=()
 for v in "$@"; do
   if [ "$v" = regen ]; then regen
+  elif [[ $v == bench:* ]]; then
+    [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
+    pids=()
+    bench_after "${v#bench:}"
   elif [ "${PARALLEL:-0}" = 1 ]; then variant "$v" & pids+=($!); sleep 20  # staggered: the compiles overlap less
   else variant "$v"
   fi
