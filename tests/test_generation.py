@@ -334,3 +334,35 @@ def test_engine_falls_back_to_the_masked_step_when_flex_fails(hf, cases, monkeyp
     assert [got[i] for i in range(len(prompts))] == refs
     warned = [r for r in caplog.records if "flex decoding step failed" in r.getMessage()]
     assert len(warned) == 1 and engine.flex is False
+
+
+def test_a_second_regeneration_pass_reuses_the_engine_and_writes_the_same(chat_target, tmp_path):
+    """data.self_prompts regenerates two files in a row (the source, then the answers): with `engines` kept across
+    the passes the second one runs on the first one's engine, and writes what a fresh engine would."""
+    from dflash_train.generation.regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
+    from dflash_train.models.target import load_tokenizer
+
+    hf, tok = load_causal_lm(chat_target, torch.device("cpu")), load_tokenizer(chat_target)
+    first, second = write_chats(tmp_path / "a.jsonl", 5, turns=2), write_chats(tmp_path / "b.jsonl", 7)
+
+    def items(path):
+        return [(rid, conv, True) for rid, conv in iter_source_records(str(path), Counter())]
+
+    def settings(path):
+        return RegenerateSettings(str(path), chat_target, 6, 0.0, False, 256)
+
+    engines: dict = {}
+    regenerate_dataset(hf, tok, items(first), tmp_path / "a_out.jsonl", settings(first), 3, engines=engines)
+    built = engines[0]
+    assert isinstance(built, Engine)
+    regenerate_dataset(hf, tok, items(second), tmp_path / "b_out.jsonl", settings(second), 3, engines=engines)
+    assert engines[0] is built                                     # reused, not rebuilt
+    regenerate_dataset(hf, tok, items(second), tmp_path / "b_fresh.jsonl", settings(second), 3)
+    assert _records(tmp_path / "b_out.jsonl") == _records(tmp_path / "b_fresh.jsonl")
+    # Another shape (batch size) or model gets its own engine.
+    regenerate_dataset(hf, tok, items(second), tmp_path / "b_4.jsonl", settings(second), 4, engines=engines)
+    assert engines[0] is not built and engines[0].b == 4
+    stops = built.stop_ids.tolist()
+    assert built.fits(hf, 3, 256, stops, built.pad_id)
+    assert not built.fits(load_causal_lm(chat_target, torch.device("cpu")), 3, 256, stops, built.pad_id)
+    assert not built.fits(hf, 3, 256, stops + [5], built.pad_id) and not built.fits(hf, 3, 255, stops, built.pad_id)

@@ -271,6 +271,12 @@ class Engine:
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         self._t = 0  # steps taken by this engine
 
+    def fits(self, hf, batch_size: int, max_len: int, stop_ids, pad_id: int) -> bool:
+        """Whether this engine serves what Engine(hf, batch_size, max_len, stop_ids, pad_id=pad_id) would, so that a
+        later pass may reuse it (the stop ids are captured in its graphs)."""
+        return (self.hf is hf and (self.b, self.max_len, self.pad_id) == (batch_size, max_len, pad_id)
+                and self.stop_ids.tolist() == sorted({int(t) for t in stop_ids}))
+
     def submit(self, request: Request) -> None:
         """Queue a request ahead of the run's iterator (on_done's follow-ups: the next turn is due now)."""
         self._queue.append(request)

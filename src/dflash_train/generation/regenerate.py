@@ -202,12 +202,15 @@ class Regenerator:
 
     def __init__(self, hf, tokenizer, settings: RegenerateSettings, batch_size: int, stop_ids,
                  lookahead: int = LOOKAHEAD_BATCHES, done: set[str] | frozenset = frozenset(),
-                 digests: dict[str, set[str]] | None = None):
+                 digests: dict[str, set[str]] | None = None, engine: Engine | None = None):
         self.hf, self.tokenizer, self.settings, self.batch_size = hf, tokenizer, settings, batch_size
         self.stop_ids, self.lookahead = list(stop_ids), max(1, lookahead)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.done, self.digests = done, digests if digests is not None else {}
-        self._engine = None  # built on first use: its cache holds batch_size x max_length slots
+        # Built on first use (its cache holds batch_size x max_length slots), or an earlier pass's engine of the
+        # same model and shape: its compiled step and captured graphs come with it.
+        self._engine = engine if engine is not None and engine.fits(hf, batch_size, settings.max_length,
+                                                                    self.stop_ids, self.pad_id) else None
 
     def engine(self):
         if self._engine is None:
@@ -362,8 +365,8 @@ def read_sample_digests(out_path: Path) -> dict[str, set[str]]:
 
 def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversation, bool]], out_path: str | Path,
                        settings: RegenerateSettings, batch_size: int, total: int | None = None,
-                       replace_mismatch: bool = False,
-                       stop: threading.Event | None = None) -> RegenerateStats:
+                       replace_mismatch: bool = False, stop: threading.Event | None = None,
+                       engines: dict[int, Engine] | None = None) -> RegenerateStats:
     """Regenerate `items` ((id, conversation, regenerate?) in order) into out_path (JSONL, appended, resumable).
 
     models: one HF causal LM, or a list of replicas (one per device). Several replicas each run a Regenerator in
@@ -371,7 +374,10 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
     ones: no fixed shards to wait for); records are written as they finish, so the file's order then interleaves
     the devices (readers key on the id). A replica that fails stops the others at their engine's next check, and
     the error names its device. A set `stop` (a signal, see the CLI) ends every replica at its next check: what
-    was written stays, conversations in flight are dropped, and a rerun resumes after what was written."""
+    was written stays, conversations in flight are dropped, and a rerun resumes after what was written.
+    engines: kept by a caller that regenerates several files in a row (data.self_prompts: the source, then the
+    answers), model index -> its engine: a later pass reuses it (same model, batch size, max_length and stop ids),
+    compiled decoding step and captured prefill graphs included, instead of building and capturing them again."""
     models = list(models) if isinstance(models, (list, tuple)) else [models]
     if batch_size < 1:
         raise UserError("The regeneration batch size must be at least 1.")
@@ -383,8 +389,9 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
     stop_ids = stop_token_ids(models[0], tokenizer)
     # Tokenizers are not safe to share between threads: every extra replica gets its own copy. A source record goes
     # to one replica with all its samples, so the replicas never touch the same entry of `digests`.
+    kept = engines if engines is not None else {}
     regens = [Regenerator(hf, tokenizer if i == 0 else copy.deepcopy(tokenizer), settings, batch_size, stop_ids,
-                          done=done, digests=digests) for i, hf in enumerate(models)]
+                          done=done, digests=digests, engine=kept.get(i)) for i, hf in enumerate(models)]
     t0 = time.perf_counter()
     lock = threading.Lock()
     with open(out_path, "a", encoding="utf-8") as f, \
@@ -413,8 +420,10 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
             else:
                 _run_replicas(regens, todo(), write, flush, stats, bar, stop or threading.Event())
         finally:
+            if engines is not None:
+                engines.update({i: r._engine for i, r in enumerate(regens) if r._engine is not None})
             del regens
-            gc.collect()  # an engine and its captured steps reference each other: free its cache now
+            gc.collect()  # an engine and its captured steps reference each other: free its cache now (unless kept)
     stats.seconds = time.perf_counter() - t0
     log.info(stats.line())
     return stats

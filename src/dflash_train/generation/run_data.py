@@ -28,14 +28,16 @@ log = logging.getLogger("dflash_train")
 
 
 def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, regenerated: Path, settings,
-                        openers: dict[str, list[str]], stop: threading.Event | None = None, stats=None):
+                        openers: dict[str, list[str]], stop: threading.Event | None = None, stats=None,
+                        engines: dict | None = None):
     """data.self_prompts (called by regenerate_for_run with its loaded models, after it regenerated data.source into
     `regenerated` with `settings`): write <out_dir>/self_prompts.jsonl with the first model (a share of the prompts
     steered by `openers`, read_openers of data.self_prompt_openers), have every model
     answer them into <out_dir>/self_regenerated.jsonl (greedy, like the other conversations; resumable), and return
     the DataConfig that reads both files, each conversation once (data.mix without weights: one log line each).
     A set `stop` (a time limit) ends both phases before their next batch: what was written is used. stats: the
-    source's RegenerateStats, to which the answers' counts and seconds are added."""
+    source's RegenerateStats, to which the answers' counts and seconds are added. engines: the source pass's
+    (regenerate_dataset), reused for the answers."""
     d = cfg.data
     path = Path(out_dir) / "self_prompts.jsonl"
     answers = Path(out_dir) / "self_regenerated.jsonl"
@@ -52,7 +54,8 @@ def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, 
     if records and not (stop is not None and stop.is_set()):
         answered = regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
                                       dataclasses.replace(settings, source=str(path)), batch_size=batch_size,
-                                      total=len(records), replace_mismatch=cfg.run.overwrite, stop=stop)
+                                      total=len(records), replace_mismatch=cfg.run.overwrite, stop=stop,
+                                      engines=engines)
         if stats is not None:
             stats.add(answered)
             stats.seconds += answered.seconds
@@ -109,12 +112,13 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     if timer is not None:
         timer.daemon = True
         timer.start()
+    engines: dict = {}  # the source pass's engines, reused for the answers to self-written prompts
     try:
         stats = regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
-                                   total=total, replace_mismatch=cfg.run.overwrite, stop=stop)
+                                   total=total, replace_mismatch=cfg.run.overwrite, stop=stop, engines=engines)
         if d.self_prompts and not stop.is_set():  # prompts the target writes itself (generation/self_prompts.py)
             d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings, openers,
-                                    stop=stop, stats=stats)
+                                    stop=stop, stats=stats, engines=engines)
         elif d.self_prompts:
             log.warning("data.regenerate_minutes ran out before data.self_prompts: training without self-written "
                         "prompts (raise data.regenerate_minutes for them)")
@@ -125,7 +129,7 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     if stop.is_set():
         log.info(f"data.regenerate: stopped at the {d.regenerate_minutes:g}-minute limit; what was written is used "
                  "(a rerun into the same directory resumes)")
-    del models
+    del models, engines
     gc.collect()  # the runners' reference cycles hold the models, caches and graph pools until collected
     if cuda:
         torch.cuda.empty_cache()
