@@ -88,7 +88,10 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _muon(self, group: dict, params: list[torch.Tensor]) -> None:
         grads, bad = self._skip(params)
-        bufs = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+        for p in params:
+            if "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
         m = group["momentum"]
         torch._foreach_mul_(bufs, m if bad is None else torch.where(bad, 1.0, m))
         torch._foreach_add_(bufs, grads)
