@@ -122,7 +122,8 @@ poll() {
 
 vpoll() {
   wait_for $S/variants.log "${POLL_S:-500}"
-  collect > /dev/null  # what ran so far (log, finished evaluations) comes back even if the lease ends
+  vcollect > /dev/null  # what ran so far (variants.txt, metrics, bench JSON) comes back even if the lease ends
+  cp $S/variant_*.log "$OUT/" 2>/dev/null
   tail -4 $S/variants.log
   for f in $S/variant_*.log; do echo "-- $f"; grep -E " step |val " $f | tail -2; done 2>/dev/null
 }
