@@ -104,7 +104,8 @@ class Updater:
     the same. Where the decision is made:
     - on the device, when the optimizer is fused AdamW (CUDA) or MuonAdamW and nonfinite=skip: "not finite" goes
       to the optimizer as `found_inf` (the protocol torch's GradScaler uses), which then changes nothing, and a
-      device counter adds it up. No host sync per step: the count is read by `skipped(step)`, at log steps and at the end.
+      device counter adds it up. No host sync per step: the count is read by `skipped(step)`, at log steps and at
+      the end.
     - on the host otherwise (CPU's foreach AdamW, or nonfinite=stop, which must raise at that very step): one
       bool() per step, and the skip is announced at once.
     """
