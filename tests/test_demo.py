@@ -261,11 +261,18 @@ def test_demo_gpu_settings_are_a_valid_config(chat_target, tmp_path):
     assert cfg.pipeline.target_devices == cfg.pipeline.drafter_devices == ["cuda:0"]
 
 
-def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys):
+def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys, monkeypatch):
     data = write_chats(tmp_path / "chats.jsonl", 200)
     own = tmp_path / "own.jsonl"
     own.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}."}) + "\n" for i in range(4)))
     out = tmp_path / "demo"
+    import dflash_train.inference.measure as measure_mod
+    measure, seen = measure_mod.measure_acceptance, []   # demo.txt as each evaluation starts
+
+    def measuring(*args, **kwargs):
+        seen.append((out / "demo.txt").read_text() if (out / "demo.txt").is_file() else None)
+        return measure(*args, **kwargs)
+    monkeypatch.setattr(measure_mod, "measure_acceptance", measuring)
     rc = main(["demo", "--device", "cpu", "--out", str(out), "--minutes", "0.02", "--prompts", str(own),
                f"model.target={chat_target}", f"data.source={data}", "data.max_samples=40",
                "data.heldout_fraction=0.05", "model.num_draft_layers=1", "model.block_size=4",
@@ -278,6 +285,9 @@ def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys):
         assert needle in table, (needle, table)
     saved = (out / "demo.txt").read_text()
     assert saved in table and saved.count("yes (3/3 identical)") == 2 and "yes (4/4 identical)" in saved  # fp32: exact
+    # Written after each evaluation: a run cut short during the next one still leaves what was measured.
+    assert seen[0] is None and "yardstick (another source)" in seen[1] and "held out" not in seen[1]
+    assert "held out from the training data" in seen[2] and "your prompts" not in seen[2]
     demo = json.loads((out / "demo.json").read_text())
     assert demo["steps"] > 0 and demo["best"]["step"] <= demo["steps"] and len(demo["evals"]) == 3
     assert demo["data"]["conversations"] > 0 and demo["data"]["epochs"] > 0

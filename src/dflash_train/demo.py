@@ -191,6 +191,21 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
     t0 = time.perf_counter()
     plan = list(EVAL_PLAN[kind]) + ([(prompts, None, USER_PROMPTS_NEW_TOKENS[kind])] if prompts else [])
     evals = {}
+    last = result.history[-1] if result.history else {}
+
+    def written() -> DemoResult:
+        """The result so far into demo.json and demo.txt: after each evaluation, so that a run cut short (a lost
+        machine, a signal) still leaves the figures it measured."""
+        phases["evaluate"] = time.perf_counter() - t0
+        demo = DemoResult(Path(result.out_dir), str(dev), evals, result.steps,
+                          cfg.train.token_budget * len(cfg.pipeline.drafter_devices), phases["train"],
+                          last.get("tau_est"), result.best, result.data, regen, phases,
+                          time.perf_counter() - t_start)
+        out_dir = Path(result.out_dir)
+        (out_dir / "demo.json").write_text(json.dumps(dataclasses.asdict(demo), default=str, indent=2) + "\n")
+        (out_dir / "demo.txt").write_text(demo.table() + "\n")
+        return demo
+
     with run_log_file(Path(result.out_dir)), eval_threads(dev):
         for spec, n, new_tokens in plan:
             name = spec if spec in SET_NAMES else "prompts"
@@ -199,16 +214,8 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
             if report is not None:
                 name = SET_NAMES.get(spec, f"your prompts ({Path(spec).name})")
                 evals[name] = dict(report.summary(), new_tokens=new_tokens)
-    phases["evaluate"] = time.perf_counter() - t0
-
-    last = result.history[-1] if result.history else {}
-    demo = DemoResult(Path(result.out_dir), str(dev), evals, result.steps,
-                      cfg.train.token_budget * len(cfg.pipeline.drafter_devices), phases["train"],
-                      last.get("tau_est"), result.best, result.data, regen, phases, time.perf_counter() - t_start)
-    out_dir = Path(result.out_dir)
-    (out_dir / "demo.json").write_text(json.dumps(dataclasses.asdict(demo), default=str, indent=2) + "\n")
-    (out_dir / "demo.txt").write_text(demo.table() + "\n")
-    return demo
+                written()
+    return written()
 
 
 class eval_threads:
