@@ -19,7 +19,9 @@
 # D-PACE, became the default), gamma4 (decay, sharper: train.gamma=4 instead of 7 at B=16), dynamic0 (dynamic without
 # its floor: train.dynamic_alpha=0), alpha25 (dynamic_alpha=0.25), lr3e3 (lr 3e-3), muon (train.optimizer=muon: Muon
 # for the matrices, AdamW for the rest, same lr), muon1e3 (muon at lr 1e-3), anchors512 (512 anchors per row: half
-# the drafter's work a step, so more, smaller steps in the same minutes). The loss weightings side by side:
+# the drafter's work a step, so more, smaller steps in the same minutes), reuse2 (train.steps_per_row=2: two drafter
+# steps on each target forward, each with its own anchors), reuse2a512 (the same with 512 anchors). The loss
+# weightings side by side:
 #   PARALLEL=1 bash benchmarks/gpu_variants.sh ce decay gamma4
 # v1 against v2 at the same data and budget:
 #   PARALLEL=1 TRAIN_MIN=2.5 bash benchmarks/gpu_variants.sh ce v2
@@ -75,6 +77,8 @@ variant_args() {
     muon) echo "train.optimizer=muon" ;;
     muon1e3) echo "train.optimizer=muon train.lr=1e-3" ;;
     anchors512) echo "train.num_anchors=512" ;;
+    reuse2) echo "train.steps_per_row=2" ;;
+    reuse2a512) echo "train.steps_per_row=2 train.num_anchors=512" ;;
     *) echo "unknown variant $1" >&2; return 2 ;;
   esac
 }

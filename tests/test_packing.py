@@ -124,3 +124,31 @@ def test_pack_samples_equals_packing_token_by_token():
         assert row.doc_ids.tolist() == doc and row.loss_mask.tolist() == mask
         assert row.input_ids.dtype == row.position_ids.dtype == row.doc_ids.dtype == torch.long
         assert row.loss_mask.dtype == torch.bool
+
+
+def test_steps_per_row_repeats_each_row_with_its_own_anchors_from_any_start():
+    """train.steps_per_row = 3: every row is three consecutive batches (same tokens, anchors of their own), and a
+    resume in the middle of a row gives the batches of the uninterrupted schedule from there."""
+    from dflash_train.data.packing import BatchSchedule
+    from dflash_train.data.synthetic import synthetic_samples
+
+    samples = synthetic_samples(50, period=8, seed=0, max_len=96)
+    once = BatchSchedule(samples, 256, 16, seed=3, max_batches=30)
+    thrice = BatchSchedule(samples, 256, 16, seed=3, max_batches=90, repeats=3)
+    rows, batches = list(once.iter_from(0)), list(thrice.iter_from(0))
+    assert [b.index for b in batches] == list(range(90))
+    for i, b in enumerate(batches):
+        row = rows[i // 3]
+        assert thrice.row_of(b.index) == i // 3 and b.epoch == row.epoch
+        assert torch.equal(b.input_ids, row.input_ids) and torch.equal(b.loss_mask, row.loss_mask)
+    for r in range(30):
+        group = batches[3 * r: 3 * r + 3]
+        assert not torch.equal(group[0].anchors, group[1].anchors) and not torch.equal(group[1].anchors,
+                                                                                         group[2].anchors)
+    for start in (1, 44, 89):
+        got = list(thrice.iter_from(start))
+        assert [b.index for b in got] == list(range(start, 90))
+        for a, b in zip(got, batches[start:]):
+            assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
+    with pytest.raises(ValueError, match="repeats must be at least 1"):
+        BatchSchedule(samples, 256, 16, seed=3, max_batches=1, repeats=0)

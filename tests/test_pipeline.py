@@ -87,6 +87,50 @@ def test_result_does_not_depend_on_how_many_targets_race(tiny_llama, tmp_path):
     assert set(two.stage_fractions["busy_by_worker"]) == {"target0", "target1", "drafter0", "drafter1"}
 
 
+def test_steps_per_row_runs_the_target_once_a_row_and_equals_the_single_device_trainer(tiny_llama, tmp_path,
+                                                                                       monkeypatch):
+    """train.steps_per_row=2: the drafter trains two steps on each row's features, the target computes them once;
+    the pipeline still equals the single-device trainer bit for bit, and a crash mid-row resumes exactly."""
+    from dflash_train.models.target import RowFeatures
+
+    computed = []
+    real = RowFeatures.__call__
+
+    def counting(self, index, compute):
+        before = self.computed
+        out = real(self, index, compute)
+        computed.extend([index] * (self.computed - before))
+        return out
+    monkeypatch.setattr(RowFeatures, "__call__", counting)
+    k2 = {"train.steps_per_row": 2}
+    pipe = train_pipeline(cfg_for(tiny_llama, tmp_path / "pipe", **k2))
+    assert computed == list(range(0, 12, 2))         # batches 0, 2, 4, ...: the first of each row
+    old = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
+    try:
+        ref = train_single_device(cfg_for(tiny_llama, tmp_path / "ref", **k2))
+    finally:
+        torch.set_num_threads(old)
+    assert [{k: h[k] for k in METRICS} for h in pipe.history] == [{k: h[k] for k in METRICS} for h in ref.history]
+    assert_same_weights(pipe.drafter_dir, ref.drafter_dir)
+    plain = train_pipeline(cfg_for(tiny_llama, tmp_path / "plain"))
+    assert [h["loss"] for h in plain.history][1:] != [h["loss"] for h in pipe.history][1:]  # other batches
+    log = (tmp_path / "pipe" / "run.log").read_text()
+    assert "12 steps, 2 steps per row (train.steps_per_row)" in log
+    assert pipe.data["epochs"] == pytest.approx(12 / (2 * pipe.data["rows_per_epoch"]))  # passes over the rows
+    # A crash after step 7 (checkpoint at step 5: mid-row) resumes to the same weights.
+    run = tmp_path / "crashed"
+    monkeypatch.setenv(ENV_VAR, "drafter0:step=7:raise")
+    with pytest.raises(RuntimeError, match="drafter0 failed"):
+        train_pipeline(cfg_for(tiny_llama, run, **{"train.checkpoint_every": 5}, **k2))
+    monkeypatch.delenv(ENV_VAR)
+    train_pipeline(cfg_for(tiny_llama, run, **{"run.resume": "auto"}, **k2))
+    assert "resuming from" in (run / "run.log").read_text()
+    assert_same_weights(run / "drafter_last", tmp_path / "pipe" / "drafter_last")
+    with pytest.raises(ConfigError, match="train.steps_per_row=2 needs one target device and one drafter device"):
+        train_pipeline(cfg_for(tiny_llama, tmp_path / "two", drafters=("cpu", "cpu"), **k2))
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_after_a_crash_is_exact(optimizer, tiny_llama, tmp_path, monkeypatch):
     opt = {"train.optimizer": optimizer}

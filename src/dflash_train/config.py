@@ -267,6 +267,12 @@ class TrainConfig:
                                  "update RMS) for the drafter's weight matrices, AdamW for its vectors "
                                  "(training/muon.py). A run resumes only with the optimizer it was trained with.")
     muon_momentum: float = _f(0.95, "With optimizer=muon: the matrices' Nesterov momentum.")
+    steps_per_row: int = _f(1, "Optimizer steps per packed row: the target computes a row's features once and the "
+                               "drafter trains on them this many steps in a row, each with its own anchors. Above "
+                               "1 the target's forward is spread over that many drafter steps (a target sharing "
+                               "the drafter's GPU, or a large one, then costs each step less); the data passes "
+                               "(epochs) count rows, so each pass makes this many times the steps. One target and "
+                               "one drafter device in one process only.")
     warmup_ratio: float = _f(0.04, "Fraction of steps spent in linear warm-up before the cosine decay.")
     min_lr_ratio: float = _f(0.0, "Cosine schedule ends at lr * min_lr_ratio.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 = off).")
@@ -380,6 +386,8 @@ class TrainConfig:
         if self.compile_cache_dir is not None and Path(self.compile_cache_dir).expanduser().is_file():
             raise ConfigError(f"train.compile_cache_dir {self.compile_cache_dir!r} is a file, not a directory; "
                               "choose another train.compile_cache_dir, or leave it empty.")
+        if self.steps_per_row < 1:
+            raise ConfigError(f"train.steps_per_row must be at least 1 (got {self.steps_per_row}).")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"train.muon_momentum must be in [0, 1), e.g. 0.95 (got {self.muon_momentum}).")
         if len(self.betas) != 2:

@@ -283,7 +283,7 @@ def format_demo_table(d: DemoResult) -> str:
 
 def epochs_trained(d: DemoResult) -> float:
     """Passes over the training rows the steps done made (the time budget may stop the schedule early)."""
-    return d.steps * d.data["batches_per_step"] / d.data["rows_per_epoch"]
+    return d.steps * d.data["batches_per_step"] / (d.data["rows_per_epoch"] * d.data.get("steps_per_row", 1))
 
 
 def run_demo_cli(args) -> int:

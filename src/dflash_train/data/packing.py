@@ -165,11 +165,16 @@ class BatchSchedule:
     Iterating from `start` skips straight to batch `start` (resume). `max_batches` bounds the total."""
 
     def __init__(self, samples: Sequence[Sample], token_budget: int, num_anchors: int, seed: int,
-                 max_batches: int, pad_id: int = 0):
+                 max_batches: int, pad_id: int = 0, repeats: int = 1):
         if not samples:
             raise ValueError("no training samples")
+        if repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {repeats}")
         self.samples, self.token_budget, self.num_anchors = samples, token_budget, num_anchors
         self.seed, self.max_batches, self.pad_id = seed, max_batches, pad_id
+        # train.steps_per_row: each row is `repeats` consecutive batches, each with its own anchors (seeded by its
+        # index); the target computes the row's features once for all of them (row_of)
+        self.repeats = repeats
         self._rows_per_epoch: int | None = None
         self._flat: FlatSamples | None = None
 
@@ -181,6 +186,11 @@ class BatchSchedule:
 
     def __len__(self) -> int:
         return self.max_batches
+
+    def row_of(self, index: int) -> int:
+        """The row (counted over the whole run) that batch `index` trains on: batches with the same row share its
+        target features."""
+        return index // self.repeats
 
     def iter_from(self, start: int = 0, keep: Callable[[int], bool] | None = None,
                   waiting: Callable[[], None] | None = None) -> Iterable[TrainBatch]:
@@ -199,17 +209,19 @@ class BatchSchedule:
         try:
             while index < self.max_batches:
                 rows = wait_for_result(ahead, waiting)
-                ahead = pool.submit(self._epoch, epoch + 1) if index + len(rows) < self.max_batches else None
-                if index + len(rows) <= start:  # whole epoch before the resume point: skip without building batches
-                    index += len(rows)
+                batches = len(rows) * self.repeats
+                ahead = pool.submit(self._epoch, epoch + 1) if index + batches < self.max_batches else None
+                if index + batches <= start:  # whole epoch before the resume point: skip without building batches
+                    index += batches
                     epoch += 1
                     continue
                 for row in rows:
-                    if index >= self.max_batches:
-                        return
-                    if index >= start and (keep is None or keep(index)):
-                        yield make_batch(row, self.num_anchors, self.seed, index, epoch)
-                    index += 1
+                    for _ in range(self.repeats):
+                        if index >= self.max_batches:
+                            return
+                        if index >= start and (keep is None or keep(index)):
+                            yield make_batch(row, self.num_anchors, self.seed, index, epoch)
+                        index += 1
                 epoch += 1
         finally:  # a closed iterator leaves no thread behind: it waits for an epoch being packed (bounded work)
             pool.shutdown(wait=True, cancel_futures=True)

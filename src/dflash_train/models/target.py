@@ -354,6 +354,26 @@ def load_target(target: str | None, layer_ids: list[int] | None = None, num_feat
     return TargetModel(hf, ids, truncate=truncate, final_hidden=final_hidden)
 
 
+class RowFeatures:
+    """The last row's target features, for train.steps_per_row > 1: the batches of one row (`row_of(batch.index)`,
+    BatchSchedule.row_of) are consecutive, so each row's features are computed by its first batch and handed to the
+    others as they are (the tensor is never written after it is computed: FeatureForward returns a fresh one)."""
+
+    def __init__(self, row_of):
+        self.row_of = row_of
+        self._row: int | None = None
+        self._feats: torch.Tensor | None = None
+        self.computed = 0  # forwards run (a test counts them)
+
+    def __call__(self, index: int, compute) -> torch.Tensor:
+        row = self.row_of(index)
+        if row != self._row:
+            self._row, self._feats = row, None   # the old row's tensor is not kept alive during the forward
+            self._feats = compute()
+            self.computed += 1
+        return self._feats
+
+
 class FeatureForward:
     """What a target worker runs on each row: `target.features` on rows of exactly T tokens, compiled
     (`compile`, model.target_compile), captured once as a CUDA graph and replayed (`graphs`, model.target_graphs),

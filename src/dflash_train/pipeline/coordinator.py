@@ -88,6 +88,10 @@ def train_pipeline(cfg: Config) -> PipelineResult:
             if peers.enabled:
                 raise ConfigError("pipeline.grad_reduce=nccl averages the replicas of one process; under torchrun "
                                   "run one drafter replica per process, or set pipeline.grad_reduce=host.")
+        if cfg.train.steps_per_row > 1 and (len(target_devices) > 1 or len(drafter_devices) > 1 or peers.enabled):
+            raise ConfigError(f"train.steps_per_row={cfg.train.steps_per_row} needs one target device and one drafter "
+                              "device in one process (the batches of a row must meet the target that computed its "
+                              "features); set train.steps_per_row=1 for this layout.")
         peers.use_device(drafter_devices[0])
         faults = FaultPlan.from_env()  # None unless a fault-injection test set DFLASH_FAULT for this rank
         out = prepare_out_dir(cfg, owner=peers.is_rank0)
@@ -153,7 +157,7 @@ class _Pipeline:
         in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
         warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
         self.targets = [TargetWorker(i, c, t, d, batches, feats, warm, graphs=cfg.model.target_graphs,
-                                     compile=cfg.model.target_compile)
+                                     compile=cfg.model.target_compile, row_of=self.run_setup.schedule.row_of)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]
         # The drafters' clocks exist before the drafters: the reporter that replica 0 holds reads all of them.
         clocks = [StageClock(d) for d in drafter_devices]

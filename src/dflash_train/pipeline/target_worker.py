@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..data.packing import TrainBatch
-from ..models.target import FeatureForward, TargetModel
+from ..models.target import FeatureForward, RowFeatures, TargetModel
 from .devices import new_stream, record_event
 from .faults import poison_
 from .worker import END_OF_DATA, RunControl, Worker
@@ -30,8 +30,9 @@ class FeatureItem:
 class TargetWorker(Worker):
     def __init__(self, index: int, control: RunControl, target: TargetModel,
                  device: torch.device, inbox: queue.Queue, out: queue.Queue, warmup: TrainBatch,
-                 graphs: bool = False, compile: str = "eager"):
+                 graphs: bool = False, compile: str = "eager", row_of=lambda index: index):
         super().__init__(f"target{index}", control, device)
+        self.rows = RowFeatures(row_of)  # train.steps_per_row: a row's batches share one forward
         self.target, self.inbox, self.out, self.warmup = target, inbox, out, warmup
         self.graphs = graphs  # model.target_graphs: one CUDA graph per row instead of a Python forward
         self.compile = compile  # model.target_compile: eager | a torch.compile mode
@@ -58,8 +59,9 @@ class TargetWorker(Worker):
                 return
             fault = self.inject("step", n)
             with self.clock.busy():
-                feats = self._features(batch)
-            if fault:  # injected nan/inf: the features, so the drafter's loss and gradients
+                feats = self.rows(batch.index, lambda: self._features(batch))
+            if fault:  # injected nan/inf: the features, so the drafter's loss and gradients (of this batch only)
+                feats = feats.clone()
                 poison_(fault, feats)
             self.put(self.out, FeatureItem(batch, feats, record_event(self.device)))
             n += 1

@@ -78,7 +78,7 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
     if t.max_steps:
         total_steps = t.max_steps
     else:
-        total_steps = max(1, int(t.epochs * rows_per_epoch) // batches_per_step)
+        total_steps = max(1, int(t.epochs * rows_per_epoch * t.steps_per_row) // batches_per_step)
         if t.max_minutes and t.budget_steps_per_s:  # the schedule ends when the time does, at most `epochs` passes
             fit = max(1, int(60 * t.max_minutes * t.budget_steps_per_s))
             if fit < total_steps:
@@ -91,7 +91,7 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
                      f"cosine over the share of the time spent), at most {total_steps} steps "
                      f"(train.epochs={t.epochs:g})")
     schedule = BatchSchedule(data.train, cfg.train.token_budget, cfg.train.num_anchors, cfg.train.seed,
-                             total_steps * batches_per_step, pad_id)
+                             total_steps * batches_per_step, pad_id, repeats=t.steps_per_row)
     if cfg.model.drafter_init:
         drafter = load_drafter(cfg.model.drafter_init).float()
     else:
@@ -104,14 +104,17 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
              f"drafter: {drafter.config.num_hidden_layers} layers, taps {drafter.config.target_layer_ids}, "
              f"mask id {drafter.config.mask_token_id}, "
              f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params")
+    per_row = f", {t.steps_per_row} steps per row (train.steps_per_row)" if t.steps_per_row > 1 else ""
     log.info(f"data: {len(data.train)} train / {len(data.heldout)} held-out conversations, {rows_per_epoch} rows of "
-             f"{cfg.train.token_budget} tokens per epoch; {total_steps} steps")
+             f"{cfg.train.token_budget} tokens per epoch; {total_steps} steps{per_row}")
     # A data.mix may repeat a small source: its stats count each distinct conversation once.
     summary = {"conversations": len(data.train),
                "unique_tokens": data.stats.get("unique_tokens", sum(len(s.input_ids) for s in data.train)),
                "supervised_tokens": sum(sum(s.loss_mask) for s in data.train),
-               "epochs": total_steps * batches_per_step / rows_per_epoch,  # the schedule's; a clock may stop it
+               # passes over the rows, the schedule's (a clock may stop it); a row trains steps_per_row steps
+               "epochs": total_steps * batches_per_step / (rows_per_epoch * t.steps_per_row),
                "rows_per_epoch": rows_per_epoch, "batches_per_step": batches_per_step,
+               "steps_per_row": t.steps_per_row,
                "shares": {Path(r["source"]).stem: r["share"] for r in data.stats.get("sources", [])}}
     line, too_many = data_passes_line(summary["conversations"], summary["unique_tokens"],
                                       summary["supervised_tokens"], summary["epochs"])

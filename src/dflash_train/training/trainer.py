@@ -14,7 +14,7 @@ from ..config import Config
 from ..models.checkpoint import save_drafter
 from ..devices import parse_device, resolve_config
 from ..models.build import init_output_norm
-from ..models.target import load_target
+from ..models.target import RowFeatures, load_target
 from .budget import TimeBudget
 from .checkpointing import CheckpointManager, resume_point
 from .cudagraphs import configure_cudagraphs
@@ -82,6 +82,7 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     step = start_step
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     window = StepWindow()  # the steps since the last log line
+    rows = RowFeatures(setup.schedule.row_of)  # train.steps_per_row: a row's batches share one target forward
     try:
         # the heap frozen and the collector timed for the loop (training/heap.py); leaving ckpt waits for the write
         # in flight: its error is raised (logged if another leaves)
@@ -89,7 +90,7 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
             budget.start()  # the clock starts here; this loop compiles inside its first step
             for batch in setup.schedule.iter_from(start_step):
                 b = batch.to(device)
-                feats = target.features(b.input_ids, b.position_ids, b.doc_ids)
+                feats = rows(batch.index, lambda: target.features(b.input_ids, b.position_ids, b.doc_ids))
                 window.add(step_fn(b, feats))
                 update(step + 1)
                 step += 1
