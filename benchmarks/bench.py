@@ -222,6 +222,15 @@ def pipeline_ratios(rows, colo) -> dict:
             out[f"pipeline's target stage ({r.extra['target_stage']}) MFU (goal P1 >= 0.70)"] = r.extra["target_mfu"]
         if r.extra.get("eager_target"):   # the path before: only for the comparison below
             continue
+        if r.extra.get("steps_per_row", 1) > 1:   # the same layout, the target's forward over K steps
+            out[f"pipeline ({r.variant}) vs its stages back to back (1 / K of the target a step)"] = \
+                r.extra.get("vs_sequential")
+            shared = next((x for x in rows if x.extra.get("layout") == layout and x.status == "ok"
+                           and x.extra.get("steps_per_row", 1) == 1 and not x.extra.get("eager_target")), None)
+            if shared is not None:
+                key = f"pipeline ({r.variant}) vs train.steps_per_row=1 (steps/s)"
+                out[key] = r.tokens_per_s / shared.tokens_per_s
+            continue
         if "vs_slowest_stage" in r.extra and layout in ("shared", "1+1"):
             out[f"pipeline ({r.variant}) vs slowest stage alone (goal P3 >= 0.95)"] = r.extra["vs_slowest_stage"]
         if "vs_sequential" in r.extra:

@@ -225,11 +225,13 @@ def bench_pipeline(ctx: Context):
                         f"({d.ms:.1f} ms); back to back {alone['sequential_tok_s']:,.0f} tok/s; tok/s = the slower",
                    extra=dict(alone, drafter=d.extra))
 
-    def pipeline(layout: str, eager_target: bool = False):
+    def pipeline(layout: str, eager_target: bool = False, steps_per_row: int = 1):
         def run():
             targets, drafters = layout_devices(layout, dev.type, visible)
-            run_dir = work / f"run_{layout.replace('+', '_')}{'_eager_target' if eager_target else ''}"
+            run_dir = work / f"run_{layout.replace('+', '_')}{'_eager_target' if eager_target else ''}_{steps_per_row}"
             cfg = pipeline_config(ctx, target_dir(), str(run_dir), targets, drafters, eager_target)
+            if steps_per_row > 1:   # train.steps_per_row: one target forward for that many drafter steps
+                cfg.train.steps_per_row = steps_per_row
             per_row = docs_per_row(cfg)
             devices = sorted({torch.device(d) for d in targets + drafters}, key=str)
             cuda = [d for d in devices if d.type == "cuda"]
@@ -276,17 +278,18 @@ def bench_pipeline(ctx: Context):
                 return statistics.mean(vals) if vals else None
 
             tok_s = mean("tokens_per_s")   # all replicas together: T tokens x drafter replicas per step
-            samples_s = tok_s / s.token_budget * per_row
+            samples_s = tok_s / s.token_budget * per_row / steps_per_row   # each sample once, however many steps
             peaks = {str(d): torch.cuda.max_memory_allocated(d) / 2**30 for d in cuda}
             frac = {k: mean(k) for k in ("target_busy", "drafter_busy", "drafter_wait", "target_wait")}
             extra = dict(frac, layout=layout, target_devices=targets, drafter_devices=drafters,
                          target_stage=target_stage_label(cfg.model), eager_target=eager_target,
-                         samples_per_s=samples_s, rows_per_s=tok_s / s.token_budget, sample_len=sample_len(s),
+                         samples_per_s=samples_s, rows_per_s=tok_s / s.token_budget / steps_per_row,
+                         sample_len=sample_len(s),
                          docs_per_row=per_row, measured_windows=len(late), peak_gib_per_device=peaks,
                          wall_s=wall, steps=res.steps, log_every=cfg.train.log_every,
                          busy_by_worker=res.stage_fractions.get("busy_by_worker", {}),
                          run_fractions=res.stage_fractions, loss_first=res.history[0]["loss"],
-                         loss_last=res.history[-1]["loss"])
+                         loss_last=res.history[-1]["loss"], steps_per_row=steps_per_row)
             versus, tflops, mfu = "", None, None
             target_tok_s = alone.get("target_eager_tok_s" if eager_target else "target_tok_s")
             if alone and target_tok_s:   # against the stages alone with this row's own target forward
@@ -294,14 +297,16 @@ def bench_pipeline(ctx: Context):
                 extra["vs_slowest_stage"] = tok_s / min(target_tok_s, drafter_tok_s)
                 versus = f"{extra['vs_slowest_stage']:.2f} x slowest stage"
                 if layout == "shared":   # one GPU runs both stages: their times alone add up (the sequential bound)
-                    extra["vs_sequential"] = tok_s * (1.0 / target_tok_s + 1.0 / drafter_tok_s)
+                    # (a step's share of the target's forward: 1 / steps_per_row of it)
+                    extra["vs_sequential"] = tok_s * (1.0 / (steps_per_row * target_tok_s) + 1.0 / drafter_tok_s)
                     versus += f", {extra['vs_sequential']:.3f} x the stages back to back"
                 else:   # T targets and D drafters each at their rate alone; the slower side caps
                     ideal = min(len(targets) * target_tok_s, len(drafters) * drafter_tok_s)
                     extra["vs_ideal"] = tok_s / ideal
                     versus = f"{extra['vs_ideal']:.2f} x min(T x target, D x drafter) alone"
-                # model FLOPs: every row goes through one target forward and one drafter step
-                tflops = tok_s / s.token_budget * (alone["target_flops"] + alone["drafter_flops"]) / 1e12
+                # model FLOPs: every step makes one drafter step and 1 / steps_per_row of a target forward
+                step_flops = alone["target_flops"] / steps_per_row + alone["drafter_flops"]
+                tflops = tok_s / s.token_budget * step_flops / 1e12
                 mfu = tflops / (ctx.peak_tflops * len(devices)) if ctx.peak_tflops else None
             peak_txt = (f"; peak {min(peaks.values()):.1f}-{max(peaks.values()):.1f} GiB/device" if len(peaks) > 1
                         else "")
@@ -328,6 +333,9 @@ def bench_pipeline(ctx: Context):
                 continue
             ctx.variant("pipeline", layout_variant(layout, dev.type), shape, pipeline(layout),
                         cost_s=60 + 40 * len(drafters) + 20 * len(targets))
+        if "shared" in layouts:   # the target's forward spread over two drafter steps (train.steps_per_row=2)
+            ctx.variant("pipeline", f"{layout_variant('shared', dev.type)}, train.steps_per_row=2", shape,
+                        pipeline("shared", steps_per_row=2), cost_s=100 if dev.type == "cuda" else 30)
         if dev.type == "cuda" and "shared" in layouts:   # the path before, in the same run: last, if time is left
             eager = target_stage_label(pipeline_config(ctx, target_dir(), str(work / "alone"), [home], [home],
                                                        eager_target=True).model)
@@ -342,7 +350,7 @@ def annotate_scaling(rows: list[Row]) -> None:
     """Scaling efficiency of 1 target + N drafters against 1+1 in the same run: tokens/s(1+N) / (N x tokens/s(1+1)),
     into the 1+N rows' extra and note."""
     ok = {r.extra["layout"]: r for r in rows if r.bench == "pipeline" and r.status == "ok" and "layout" in r.extra
-          and not r.extra.get("eager_target")}
+          and not r.extra.get("eager_target") and r.extra.get("steps_per_row", 1) == 1}
     base = ok.get("1+1")
     if base is None:
         return
