@@ -389,9 +389,8 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
     stop_ids = stop_token_ids(models[0], tokenizer)
     # Tokenizers are not safe to share between threads: every extra replica gets its own copy. A source record goes
     # to one replica with all its samples, so the replicas never touch the same entry of `digests`.
-    kept = engines if engines is not None else {}
     regens = [Regenerator(hf, tokenizer if i == 0 else copy.deepcopy(tokenizer), settings, batch_size, stop_ids,
-                          done=done, digests=digests, engine=kept.get(i)) for i, hf in enumerate(models)]
+                          done=done, digests=digests, engine=(engines or {}).get(i)) for i, hf in enumerate(models)]
     t0 = time.perf_counter()
     lock = threading.Lock()
     with open(out_path, "a", encoding="utf-8") as f, \
