@@ -13,8 +13,8 @@
 #            next call at once: a machine idle for 30 s is given back, and the demo with it)
 #   finish   the demo's last poll and what follows, in one call so that no idle gap can lose the machine: wait for
 #            the demo to end (at most POLL_S), collect, then `bench` with what is left of FINISH_S (default 560)
-#   vpoll / vcollect   the same for the variants (their files: variants.txt, metrics_<variant>.jsonl, the
-#            regenerated data gzipped)
+#   vpoll / vcollect   the same for the variants (variants.txt, the regenerated data gzipped, and variants_files.tgz:
+#            logs, metrics_<variant>.jsonl, bench JSON)
 #   collect  the demo's table, logs, metrics and eval reports into $OUT
 #   bench    after the demo, on the same machine: issue #16's Qwen3-8B benchmarks named in BENCH (default startup:
 #            command -> first step, cold then warm; or pipeline), within BENCH_S seconds (default 500), JSON to $OUT
@@ -98,8 +98,10 @@ join() {
 variants() {
   banner "start the variants: regen ${VARIANTS:-ce kd50 kd100}"
   join
-  detach $S/variants.log env PARALLEL=${PARALLEL:-1} TRAIN_MIN=${TRAIN_MIN:-7} bash $S/benchmarks/gpu_variants.sh \
-      regen ${VARIANTS:-ce kd50 kd100}
+  # OUT=$S/out: the job outlives this call, whose $OUT the device machine empties at the next one (the variants'
+  # table of 2026-12-03 was lost that way); vpoll/vcollect copy $S/out into each call's $OUT.
+  detach $S/variants.log env OUT=$S/out PARALLEL=${PARALLEL:-1} TRAIN_MIN=${TRAIN_MIN:-7} \
+      bash $S/benchmarks/gpu_variants.sh regen ${VARIANTS:-ce kd50 kd100}
   sleep 45; tail -5 $S/variants.log
 }
 
@@ -123,14 +125,18 @@ poll() {
 vpoll() {
   wait_for $S/variants.log "${POLL_S:-500}"
   vcollect > /dev/null  # what ran so far (variants.txt, metrics, bench JSON) comes back even if the lease ends
-  cp $S/variant_*.log "$OUT/" 2>/dev/null
   tail -4 $S/variants.log
   for f in $S/variant_*.log; do echo "-- $f"; grep -E " step |val " $f | tail -2; done 2>/dev/null
 }
 
+# A device call brings back only a few files (8 on 2026-12-03; the rest "left out"): the table and the regenerated
+# data (three gzipped files) come as they are, everything else in one archive (the job's log, the variants' logs and
+# metrics, the benchmarks' JSON and logs).
 vcollect() {
   mkdir -p "$OUT"
-  cp $S/variants.log $S/out/* "$OUT/" 2>/dev/null
+  cp $S/out/variants.txt $S/out/*.jsonl.gz "$OUT/" 2>/dev/null
+  tar -czf "$OUT/variants_files.tgz" -C $S variants.log $(cd $S && ls variant_*.log 2>/dev/null) \
+      $(cd $S && ls out/* 2>/dev/null | grep -v -E "variants.txt|jsonl.gz") 2>/dev/null
   cat $S/out/variants.txt 2>/dev/null
 }
 
