@@ -89,7 +89,8 @@ class StepReporter:
 
     def on_step(self, step: int, metrics: dict | None, replica: ReplicaState) -> None:
         """After replica 0's optimizer step `step` (1-based); metrics: the window's averages on log steps, else None."""
-        if not self._stepped:
+        first = not self._stepped
+        if first:
             self._stepped = True
             log_first_step(step)
             if self.checkpoint_every:  # the periodic checkpoints' host buffers, pinned now rather than mid-run
@@ -100,6 +101,9 @@ class StepReporter:
             extra["queues"] = f"{self.batch_queue.qsize()}/{self.feats_queue.qsize()}"
             extra["skipped"] = replica.update.skipped(step)
             self.logger.log(step, metrics, replica.scheduler.get_last_lr()[0], extra=extra)
+        if first:  # the log windows start after the first step: start-up is no window's (MetricsLogger.start_window)
+            self.logger.start_window(step)
+            self._t, self._seen = time.perf_counter(), self._counters()
         if self.validator.due(step):
             self._validate(step, replica)
         if self.checkpoint_every and step % self.checkpoint_every == 0 and step < self.total_steps:

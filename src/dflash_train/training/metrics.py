@@ -91,6 +91,15 @@ class MetricsLogger:
             log.info(f"garbage collections during training: {self.gc.count}, {self.gc.total_s:.2f}s in all, the "
                      f"longest {self.gc.longest_s:.3f}s")
 
+    def start_window(self, step: int) -> None:
+        """The first log window starts here, after the run's first step `step`: what came before it (compiling,
+        capturing CUDA graphs, the pipeline filling, pinning checkpoint buffers) is start-up, reported apart ("first
+        step ... done N s after the command started", training/startup.py), and would make the first window read
+        as a stall. Called once, after that step's own log line if it had one."""
+        self._last_t, self._last_step = time.perf_counter(), step
+        self._excluded_s = 0.0
+        self.gc.take()
+
     def exclude(self, seconds: float) -> None:
         """`seconds` of the current window went to work that is not training (a validation pass, timed and reported
         by training/validation.py): the window's step time and tokens/s leave them out, and its record states them

@@ -94,13 +94,16 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
                 window.add(step_fn(b, feats))
                 update(step + 1)
                 step += 1
-                if step == start_step + 1:
+                first = step == start_step + 1
+                if first:
                     log_first_step(step)
                     if cfg.train.checkpoint_every:  # host buffers pinned now rather than at the first checkpoint
                         ckpt.reserve(drafter, optimizer, scheduler)
                 stop = budget.should_stop(step)
                 if logger.should_log(step) or stop:  # a time-budget stop logs its last window too (log, plots)
                     logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
+                if first:  # the log windows start after the compiling first step (MetricsLogger.start_window)
+                    logger.start_window(step)
                 if validator.due(step) or (stop and validator.enabled):
                     validator(step, step_fn, drafter, logger.history[-1]["tau_est"] if logger.history else None)
                 if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
