@@ -47,8 +47,10 @@ CACHE_LINE = re.compile(r"compile cache: (.+) \(((?:cold|warm)[^)]*)\)")
 # A phase whose line is missing is counted in the next one.
 PHASES = (("python+config", "compile cache: "),       # train.py, before anything imports inductor
           ("imports+data+drafter", "target: "),       # training/run.py's summary: the stages imported, data, drafter
-          ("target load", "validation: "))            # load_target, then the held-out rows' features (if any)
-LAST_PHASE = "compile+graphs+step 1"                  # workers: compile, capture, warm up; the first step
+          ("target load", "validation: "),            # load_target, then the held-out rows' features (if any)
+          ("drafter compile", "drafter0: training step ready"),  # its step and validation's forward: compile, capture
+          ("target compile", "target0: feature forward ready"))  # the target worker's compile and capture
+LAST_PHASE = "step 1"                                 # the heap frozen, the pipeline filled, the first step
 
 
 @dataclass

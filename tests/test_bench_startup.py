@@ -38,7 +38,8 @@ def test_cpu_smoke_startup_measures_a_cold_and_a_warm_start(tmp_path):
         assert e["first_step_s"] > 0 and e["first_step"] == 1 and e["returncode"] == 0, e
         assert sum(e["phases_s"].values()) == pytest.approx(e["first_step_s"])  # the phases add up to the figure
         assert "first step (step 1) done" in e["output_tail"] and "train.compile_cache_dir=" in e["command"]
-    assert set(cold["phases_s"]) == {"python+config", "imports+data+drafter", "target load", "compile+graphs+step 1"}
+    assert set(cold["phases_s"]) == {"python+config", "imports+data+drafter", "target load", "drafter compile",
+                                     "target compile", "step 1"}
     assert cold["compile_cache"] == warm["compile_cache"] and cold["cache_state"].startswith("cold")
     assert cold["weights_write_s"] > 0 and cold["target_bytes"] > 0
     assert not Path(cold["compile_cache"]).parent.exists()  # the target, the runs and the cache are removed
@@ -53,6 +54,8 @@ def test_startup_log_parsing_and_rows():
         "23:59:58 target: qwen3, 36 layers, H=4096, vocab 151936; drafter: 5 layers",
         "Loading weights:   0%|     | 0/9 [00:00<?, ?it/s]\rLoading weights: 100%|#####| 9/9",
         "00:00:20 validation: 8 held-out rows (...)",
+        "00:00:50 drafter0: training step ready in 25.1 s, validation's forward in 4.2 s (compile ...)",
+        "00:01:05 target0: feature forward ready in 14.8 s (compile default, CUDA graph on)",
         "00:01:10 first step (step 1) done 81.5 s after the command started",
         "00:01:11 step      1/3 | loss 5.3871",
         "00:01:12 validation: best val_tau_decoding 1.148 at step 3"])
@@ -61,10 +64,10 @@ def test_startup_log_parsing_and_rows():
     assert got.cache_state == "warm: 12 compiled artifacts from earlier runs"
     # ages: 81.5 less the seconds to the first step's stamp, across midnight; each phase ends at its line
     assert got.phases_s == pytest.approx({"python+config": 3.5, "imports+data+drafter": 6.0, "target load": 22.0,
-                                          "compile+graphs+step 1": 50.0})
+                                          "drafter compile": 30.0, "target compile": 15.0, "step 1": 5.0})
     no_target_line = startup.parse_startup_log(log.replace("target: ", "sizes: "))
-    assert no_target_line.phases_s == pytest.approx({"python+config": 3.5, "target load": 28.0,
-                                                     "compile+graphs+step 1": 50.0})  # counted in the next phase
+    assert no_target_line.phases_s == pytest.approx({"python+config": 3.5, "target load": 28.0, "drafter compile": 30.0,
+                                                     "target compile": 15.0, "step 1": 5.0})  # counted in the next
     assert startup.parse_startup_log(log.split("00:01:10")[0]).first_step_s is None
 
     cache = Path("/c/cc")

@@ -112,7 +112,7 @@ def test_the_first_log_window_leaves_the_start_up_out(monkeypatch, tmp_path):
     now = [0.0]
     monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: now[0])  # a fake clock: nothing is timed
     logger = MetricsLogger(None, total_steps=300, tokens_per_step=1000, log_every=100, tensorboard=False)
-    counts = torch.tensor([[3.0, 1.0], [4.0, 4.0], [3.0, 1.0], [4.0, 3.0]])  # [4, B-1]: objective.acceptance_from_counts
+    counts = torch.tensor([[3.0, 1.0], [4.0, 4.0], [3.0, 1.0], [4.0, 3.0]])  # [4, B-1] (acceptance_from_counts)
     metrics = {"loss": torch.tensor(1.0), "counts": counts, "num_labels": torch.tensor(4.0)}
     now[0] = 60.0             # a minute of start-up ends with step 1
     logger.start_window(1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import queue
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -119,10 +120,18 @@ class DrafterWorker(Worker):
         batch = dummy_batch(cfg.token_budget, cfg.num_anchors).to(self.device)
         feats = torch.zeros(cfg.token_budget, st.step_fn.feats_width, device=self.device,
                             dtype=st.step_fn.dtype)  # [T, k*H], or [T, (k+1)*H] when distilling
+        t0 = time.perf_counter()
         for _ in range(1 if st.step_fn.compile_mode == "eager" else 2):
             metrics = st.step_fn(batch, feats)
+        ready = f"{self.name}: training step ready in {time.perf_counter() - t0:.1f} s"
         if self.reporter is not None:  # replica 0 validates: its forward-only step compiles now, not mid-run
+            t0 = time.perf_counter()
             self.reporter.warm_up(st.step_fn)
+            ready += f", validation's forward in {time.perf_counter() - t0:.1f} s"
+        # Start-up's largest part on a cold compile cache (minutes at the Qwen3-8B shape): said per stage, so that
+        # a slow start names its stage (benchmarks/cases_startup.py reads these lines).
+        mode = st.step_fn.compile_mode
+        log.info(f"{ready} ({'eager' if mode == 'eager' else f'compile {mode}: compiled or loaded, two calls'})")
         self.shared.gradsync.prepare(self.replica, st.params, metrics)  # the all-reduce layout, before step 1
         st.optimizer.zero_grad(set_to_none=False)  # in place: DrafterStep's .grad buffers are persistent
 

@@ -8,7 +8,9 @@ Several target workers share one input queue, so they may finish out of order; t
 
 from __future__ import annotations
 
+import logging
 import queue
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +20,8 @@ from ..models.target import FeatureForward, RowFeatures, TargetModel
 from .devices import new_stream, record_event
 from .faults import poison_
 from .worker import END_OF_DATA, RunControl, Worker
+
+log = logging.getLogger("dflash_train")
 
 
 @dataclass
@@ -45,10 +49,13 @@ class TargetWorker(Worker):
 
     def setup(self) -> None:
         # Built, captured and compiled here: in this thread, on this worker's stream and device.
+        t0 = time.perf_counter()
         self.forward = FeatureForward(self.target, self.warmup.input_ids.shape[0], self.compile, self.graphs)
         # One forward of the real shapes: compiling and lazy CUDA/library initialisation happen here, not in the
         # first step (and before the recompile guard is armed).
         self._features(self.warmup)
+        log.info(f"{self.name}: feature forward ready in {time.perf_counter() - t0:.1f} s (compile {self.compile}, "
+                 f"CUDA graph {'on' if self.graphs else 'off'})")
 
     def loop(self) -> None:
         n = 0
