@@ -56,6 +56,7 @@ LAST_PHASE = "step 1"                                 # the heap frozen, the pip
 @dataclass
 class StartupLog:
     """What a run's output says about its start: parse_startup_log."""
+    compile_s: dict | None = None           # torch.compile's stages -> seconds (train.compile_times' table)
     first_step: int | None = None
     first_step_s: float | None = None       # seconds from the command to the end of the first step
     phases_s: dict | None = None            # phase -> seconds (to +-1 s: the log's timestamps are whole seconds)
@@ -69,6 +70,7 @@ def parse_startup_log(text: str) -> StartupLog:
     lines' timestamps (modulo a day: a run may cross midnight)."""
     out = StartupLog()
     lines = text.replace("\r", "\n").splitlines()
+    out.compile_s = parse_compile_times(lines)
     stamped: list[tuple[int, str]] = []
     for line in lines:
         if (m := CACHE_LINE.search(line)) and out.cache_dir is None:
@@ -90,6 +92,27 @@ def parse_startup_log(text: str) -> StartupLog:
         age = max(0.0, out.first_step_s - (end - stamped[hit][0]) % 86400)
         out.phases_s[name], before, i = age - before, age, hit + 1
     out.phases_s[LAST_PHASE] = out.first_step_s - before
+    return out
+
+
+# The stages of torch.compile's table (train.compile_times) that a row's note names: dynamo's tracing, AOT autograd's
+# joint graph and partition, inductor's forward and backward compiles, and the wait for the kernels' compile workers.
+COMPILE_STAGES = ("_compile.compile_inner", "create_aot_dispatcher_function", "compile_fx.<locals>.fw_compiler_base",
+                  "compile_fx.<locals>.bw_compiler", "async_compile.wait")
+
+
+def parse_compile_times(lines: list[str]) -> dict | None:
+    """The 'name, seconds' rows after the run's "compile times (train.compile_times):" line; None without one."""
+    start = next((i for i, x in enumerate(lines) if "compile times (train.compile_times):" in x), None)
+    if start is None:
+        return None
+    out = {}
+    for line in lines[start + 3:]:   # past the title and the header
+        name, _, value = line.rpartition(", ")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            break
     return out
 
 
@@ -187,7 +210,7 @@ def bench_startup(ctx: Context):
             out_dir = work / f"run_{which}"
             args = ["train", *pipeline_overrides(ctx, str(work / "target"), str(out_dir), [home], [home]),
                     f"train.max_steps={STEPS}", "train.log_every=1", "train.final_eval_prompts=0",
-                    f"train.compile_cache_dir={cache}",
+                    f"train.compile_cache_dir={cache}", "train.compile_times=true",
                     "pipeline.stall_timeout_s=600"]   # the product's default: a cold compile takes minutes
             # Past the time budget by at most 20 s, so that the table still prints inside the caller's own limit.
             limit = HANG_GUARD_S if math.isinf(s.budget_s) else max(60.0, s.budget_s - ctx.elapsed() + 20)
@@ -214,7 +237,8 @@ def bench_startup(ctx: Context):
 def startup_row(which: str, res: CliRun, log: StartupLog, cache: Path, args: list[str], done: dict) -> Row:
     """One run's row: ok when its first step was logged (even if it was stopped afterwards), else an error."""
     extra = {"first_step_s": log.first_step_s, "first_step": log.first_step, "wall_s": res.wall_s,
-             "phases_s": log.phases_s, "goal_s": GOALS_S[which], "compile_cache": log.cache_dir,
+             "phases_s": log.phases_s, "compile_s": log.compile_s, "goal_s": GOALS_S[which],
+             "compile_cache": log.cache_dir,
              "cache_state": log.cache_state, "returncode": res.returncode,
              "command": "python -m dflash_train.cli " + shlex.join(args), "output_tail": res.output[-TAIL_CHARS:]}
     if which == "cold":
@@ -235,6 +259,9 @@ def startup_row(which: str, res: CliRun, log: StartupLog, cache: Path, args: lis
     note = (f"first step {log.first_step_s:.1f} s after the command (goal <= {GOALS_S[which]:.0f} s), run "
             f"{res.wall_s:.0f} s in all{'' if res.returncode == 0 else ' (' + ended + ')'}; cache {cache_state}; "
             f"{phases}")
+    if log.compile_s:
+        note += "; torch.compile: " + ", ".join(f"{k.rsplit('.', 1)[-1]} {log.compile_s[k]:.0f} s"
+                                                for k in COMPILE_STAGES if k in log.compile_s)
     if which == "cold" and done.get("write_s") is not None:
         note += f"; target written in {done['write_s']:.0f} s before (not counted)"
     return Row("", "", note=note, peak_gib=res.peak_device_gib, extra=extra)

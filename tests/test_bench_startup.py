@@ -34,6 +34,7 @@ def test_cpu_smoke_startup_measures_a_cold_and_a_warm_start(tmp_path):
     rows = [r for r in res["rows"] if r["bench"] == "startup"]
     assert [(r["variant"], r["status"]) for r in rows] == [("cold", "ok"), ("warm", "ok")], rows
     cold, warm = (r["extra"] for r in rows)
+    assert cold["compile_s"] is None  # train.compile_times on, but the CPU suite's step is eager: no table
     for e in (cold, warm):
         assert e["first_step_s"] > 0 and e["first_step"] == 1 and e["returncode"] == 0, e
         assert sum(e["phases_s"].values()) == pytest.approx(e["first_step_s"])  # the phases add up to the figure
@@ -56,12 +57,18 @@ def test_startup_log_parsing_and_rows():
         "00:00:20 validation: 8 held-out rows (...)",
         "00:00:50 drafter0: training step ready in 25.1 s, validation's forward in 4.2 s (compile ...)",
         "00:01:05 target0: feature forward ready in 14.8 s (compile default, CUDA graph on)",
+        "00:01:05 compile times (train.compile_times):",
+        "TorchDynamo compilation metrics:",
+        "Function, Runtimes (s)",
+        "_compile.compile_inner, 41.5000",
+        "compile_fx.<locals>.bw_compiler, 12.2500",
         "00:01:10 first step (step 1) done 81.5 s after the command started",
         "00:01:11 step      1/3 | loss 5.3871",
         "00:01:12 validation: best val_tau_decoding 1.148 at step 3"])
     got = startup.parse_startup_log(log)
     assert (got.first_step, got.first_step_s, got.cache_dir) == (1, 81.5, "/c/cc")
     assert got.cache_state == "warm: 12 compiled artifacts from earlier runs"
+    assert got.compile_s == {"_compile.compile_inner": 41.5, "compile_fx.<locals>.bw_compiler": 12.25}
     # ages: 81.5 less the seconds to the first step's stamp, across midnight; each phase ends at its line
     assert got.phases_s == pytest.approx({"python+config": 3.5, "imports+data+drafter": 6.0, "target load": 22.0,
                                           "drafter compile": 30.0, "target compile": 15.0, "step 1": 5.0})

@@ -122,3 +122,13 @@ def test_the_first_log_window_leaves_the_start_up_out(monkeypatch, tmp_path):
     second = logger.log(200, metrics, lr=1e-3)
     assert first["step_time_s"] == pytest.approx(0.5) and second["step_time_s"] == pytest.approx(0.5)
     assert first["tokens_per_s"] == pytest.approx(2000.0)
+
+
+def test_compile_times_are_logged_once_something_compiled(caplog):
+    """train.compile_times: torch's own table of where compiling went (dynamo's stages at least, with any backend)."""
+    fn = torch.compile(lambda x: torch.sin(x) * 2, backend="eager", dynamic=False)
+    fn(torch.ones(3))
+    with caplog.at_level(logging.INFO, logger="dflash_train"):
+        startup.log_compile_times()
+    table = [m for m in caplog.messages if m.startswith("compile times (train.compile_times):")]
+    assert len(table) == 1 and "_compile.compile_inner, " in table[0], caplog.messages

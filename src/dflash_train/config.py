@@ -306,6 +306,9 @@ class TrainConfig:
                                              "kernels instead of compiling them. Empty = TORCHINDUCTOR_CACHE_DIR if "
                                              "set, else <data.cache_dir>/torch_compile (<out_dir>/../.cache/"
                                              "torch_compile when data.cache_dir is empty).")
+    compile_times: bool = _f(False, "Log torch.compile's time per stage (dynamo tracing, AOT autograd, inductor "
+                                    "lowering and codegen, waiting for kernels) once the run has compiled: before "
+                                    "the first step (pipeline), after it (--single). For a slow start.")
     attention: str = _f("auto", "Drafter training attention: sdpa (dense mask) | flex (BlockMask) | auto "
                                 "(flex on CUDA, sdpa on CPU).")
     dtype: str = _f("auto", "Compute dtype: bf16 | fp32 | auto (bf16 on CUDA, fp32 on CPU). Master weights stay fp32.")

@@ -43,6 +43,7 @@ from ..training.metrics import MetricsLogger
 from ..training.optim import follows_clock
 from ..training.plots import write_training_plots
 from ..training.run import build_run, hold_run_dir, prepare_out_dir
+from ..training.startup import log_compile_times
 from ..training.validation import Validator, build_validation_rows
 from ..training.trainer import TrainResult
 from .devices import cpu_threads_per_worker
@@ -231,6 +232,8 @@ class _Pipeline:
             t.start()
         if not self._supervise(lambda: all(t.ready.is_set() for t in self.targets)):
             return
+        if self.cfg.train.compile_times:  # every stage has compiled by now
+            log_compile_times()
         self.peers.gate({"local replicas": self.n, "start step": self.start_step,  # every rank is ready and agrees
                          "total steps": self.run_setup.total_steps, "gradient + metric size": self.gradsync.step_numel,
                          "run config": config_fingerprint(self.cfg)}, beat=self.watchdog.beat)

@@ -78,3 +78,13 @@ def log_first_step(step: int) -> None:
     age = seconds_since_process_start()
     if age is not None:
         log.info(f"first step (step {step}) done {age:.1f} s after the command started")
+
+
+def log_compile_times() -> None:
+    """torch.compile's own account of where this process's compiling went (seconds per timed stage, summed over
+    every graph compiled so far, in every thread): train.compile_times. Nothing when nothing was compiled."""
+    from torch._dynamo.utils import compile_times
+
+    table = compile_times(repr="str", aggregate=True)
+    if table and len(table.splitlines()) > 2:  # a title and a header line: nothing compiled
+        log.info(f"compile times (train.compile_times):\n{table}")

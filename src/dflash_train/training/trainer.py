@@ -23,7 +23,7 @@ from .metrics import MetricsLogger, StepWindow
 from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
 from .run import RunSetup, build_run, hold_run_dir
-from .startup import log_first_step
+from .startup import log_compile_times, log_first_step
 from .step import DrafterStep
 from .validation import Validator, build_validation_rows
 
@@ -103,6 +103,8 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
                 if logger.should_log(step) or stop:  # a time-budget stop logs its last window too (log, plots)
                     logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step)})
                 if first:  # the log windows start after the compiling first step (MetricsLogger.start_window)
+                    if cfg.train.compile_times:
+                        log_compile_times()
                     logger.start_window(step)
                 if validator.due(step) or (stop and validator.enabled):
                     validator(step, step_fn, drafter, logger.history[-1]["tau_est"] if logger.history else None)
