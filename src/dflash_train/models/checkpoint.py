@@ -216,6 +216,11 @@ def load_drafter_config(path: str | Path) -> DrafterConfig:
     return drafter_config_from_json(d, str(p))
 
 
+def drafter_class(cfg: DrafterConfig) -> type[DFlashDrafter]:
+    """The module a drafter config builds: DFlash 2 for a Drafter2Config, else DFlash v1."""
+    return DFlash2Drafter if isinstance(cfg, Drafter2Config) else DFlashDrafter
+
+
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", weights: str = WEIGHTS_NAME) -> DFlashDrafter:
     """Rebuild a drafter from a drafter directory; parameters come back in the saved dtype, bit for bit.
     weights: the file to read, model.safetensors (the servable copy) or training_weights.safetensors (fp32)."""
@@ -226,7 +231,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", weights: 
     state = load_file(str(w), device="cpu")
     dtype = next(iter(state.values())).dtype
     with torch.device("meta"):
-        drafter = (DFlash2Drafter if isinstance(cfg, Drafter2Config) else DFlashDrafter)(cfg)
+        drafter = drafter_class(cfg)(cfg)
     drafter = drafter.to_empty(device="cpu").to(dtype)
     drafter.rotary.__init__(cfg.head_dim, cfg.rope_theta)  # non-persistent buffer: rebuild (fp32) after to_empty
     missing, unexpected = drafter.load_state_dict(state, strict=False)

@@ -21,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -49,6 +49,7 @@ from ..training.trainer import TrainResult
 from .devices import cpu_threads_per_worker
 from .distributed import DistributedSync, config_fingerprint
 from .drafter_worker import DrafterShared, DrafterWorker, RecompileGuard, weights_checksum
+from .precompile import Precompile, precompile_parts, start_precompile
 from .faults import FaultPlan
 from .gradsync import GradAverager
 from .loader import DataShard, LoaderWorker, dummy_batch
@@ -224,10 +225,14 @@ class _Pipeline:
                               replica_batches=[d.batch_indices for d in self.drafters])
 
     def _start_and_supervise(self) -> None:
-        for d in self.drafters:  # one at a time: each compiles and captures alone
-            d.start()
-            if not self._supervise(d.ready.is_set):
-                return
+        with self._precompile() or nullcontext() as child:
+            for d in self.drafters:  # one at a time: each compiles and captures alone
+                d.start()
+                if not self._supervise(d.ready.is_set):
+                    return
+            if child is not None:  # the targets then find their compiled forward in the cache
+                child.finish(self.cfg.pipeline.stall_timeout_s / 2, beat=self.watchdog.beat,
+                             stopping=self.control.stop.is_set)
         for t in self.targets:
             t.start()
         if not self._supervise(lambda: all(t.ready.is_set() for t in self.targets)):
@@ -252,6 +257,19 @@ class _Pipeline:
             # Out of time (train.max_minutes), the drafters stop early; _shutdown then stops the stages feeding them.
             self._supervise(lambda: all(w.finished.is_set()
                                         for w in (self.drafters if self.budget.spent else self.workers)))
+
+    def _precompile(self) -> Precompile | None:
+        """The child process that compiles validation's and the target's forward while the drafters compile their
+        training step (pipeline/precompile.py), or None; single-process runs only (under torchrun each rank would
+        start its own)."""
+        if self.peers.enabled:
+            return None
+        shared, target = self.drafters[0].shared, self.targets[0]
+        drafter_bytes = 4 * sum(p.numel() for p in shared.init_drafter.parameters())  # fp32
+        target_bytes = sum(p.numel() * p.element_size() for p in target.target.parameters())
+        parts = precompile_parts(self.cfg, self.validator.enabled)
+        return start_precompile(self.cfg, shared.init_drafter.config, parts, target.device, self.drafters[0].device,
+                                self.run_setup.out_dir / "precompile", child_bytes=target_bytes + 2 * drafter_bytes)
 
     def _supervise(self, done) -> bool:
         """Wait until done(); False when the run is stopping (failure, stall or signal). Stall = a started worker

@@ -54,12 +54,17 @@ def use_compile_cache(cfg: Config) -> Path | None:
                     "directory; set train.compile_cache_dir to a writable directory to keep them across machines")
         return None
     os.environ[ENV_VAR] = str(d)  # cache_dir_utils.cache_dir() reads it at every lookup
-    cached = sum(1 for part in CACHED_PARTS for p in (d / part).rglob("*") if p.is_file())
+    cached = compiled_artifacts(d)
     state = f"warm: {cached} compiled artifacts from earlier runs" if cached else "cold: compiling fills it"
     off = [name for name in SWITCHES if os.environ.get(name) == "0"]
     disabled = f"; turned off by {' and '.join(f'{n}=0' for n in off)}" if off else ""
     log.info(f"compile cache: {d} ({state}{disabled})")
     return d
+
+
+def compiled_artifacts(d: Path) -> int:
+    """How many reusable compiled graphs the compile cache `d` holds (0: cold, or no such directory)."""
+    return sum(1 for part in CACHED_PARTS for p in (Path(d) / part).rglob("*") if p.is_file())
 
 
 def seconds_since_process_start() -> float | None:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import yaml
 
@@ -38,6 +39,7 @@ log = logging.getLogger("dflash_train")
 
 WARMUP_SAMPLES = 512  # enough conversations to fill the rows of two steps and a validation row
 TAIL_LINES = 12       # of the child's log, quoted when it fails
+POLL_S = 0.5          # finish()'s wait between looks at the child
 
 
 def warmup_overrides(cfg: Config, scratch: Path) -> list[str]:
@@ -52,9 +54,13 @@ def warmup_overrides(cfg: Config, scratch: Path) -> list[str]:
 
 
 class CompileWarmup:
-    """The child process compiling the run's step (see the module docstring)."""
+    """The child process compiling the run's step (see the module docstring). name, what, until: how the log names
+    it, what it does meanwhile, and what the run does while it works (pipeline/precompile.py's child reuses this)."""
 
-    def __init__(self, cfg: Config, scratch: Path, log_path: Path):
+    def __init__(self, cfg: Config, scratch: Path, log_path: Path, name: str = "compile warm-up",
+                 what: str = "compiles the training step while the target regenerates",
+                 until: str = "the regeneration ended"):
+        self.name, self.until = name, until
         self.scratch, self.log_path = Path(scratch), Path(log_path)
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
@@ -62,8 +68,7 @@ class CompileWarmup:
             # its own process group: finish() can stop it together with any compile workers it started
             self.proc = subprocess.Popen(self.command(cfg), stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
-        log.info(f"compile warm-up: a child process (pid {self.proc.pid}) compiles the training step while the "
-                 f"target regenerates; its log: {self.log_path}")
+        log.info(f"{name}: a child process (pid {self.proc.pid}) {what}; its log: {self.log_path}")
 
     def command(self, cfg: Config) -> list[str]:
         """The child's command line: `dflash-train train` on the run's config (written into the scratch directory)
@@ -73,28 +78,32 @@ class CompileWarmup:
         return [sys.executable, "-m", "dflash_train.cli", "train", "--config", str(config),
                 *warmup_overrides(cfg, self.scratch)]
 
-    def finish(self, timeout_s: float) -> bool:
-        """Wait up to timeout_s for the child; True when it compiled and exited cleanly. Past the timeout it is
-        stopped (the run then compiles what the cache lacks itself). The scratch directory is removed."""
+    def finish(self, timeout_s: float, beat: Callable[[], None] = lambda: None,
+               stopping: Callable[[], bool] = lambda: False) -> bool:
+        """Wait up to timeout_s for the child, calling beat() about every POLL_S (a watchdog's heartbeat); True when
+        it compiled and exited cleanly. Past the timeout, or once stopping() (the run is ending), it is stopped (the
+        run then compiles what the cache lacks itself). The scratch directory is removed."""
         waited = time.monotonic()
-        early = self.proc.poll() is not None  # it ended while the regeneration ran
+        early = self.proc.poll() is not None  # it ended while the run did the rest (regenerated, compiled)
         try:
-            rc = self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self._stop()
-            log.warning(f"compile warm-up: not done {timeout_s:.0f} s after the regeneration ended; stopped (the "
-                        "run compiles what the cache lacks itself)")
-            rc = None
+            while self.proc.poll() is None and time.monotonic() - waited < timeout_s and not stopping():
+                beat()
+                time.sleep(POLL_S)
+            rc = self.proc.poll()
+            if rc is None:
+                self._stop()
+                if not stopping():
+                    log.warning(f"{self.name}: not done {timeout_s:.0f} s after {self.until}; stopped (the "
+                                "run compiles what the cache lacks itself)")
         finally:
             shutil.rmtree(self.scratch, ignore_errors=True)
         if rc == 0:
-            when = ("before the regeneration ended" if early else
-                    f"{time.monotonic() - waited:.0f} s after the regeneration ended")
-            log.info(f"compile warm-up: done {when}")
+            when = f"before {self.until}" if early else f"{time.monotonic() - waited:.0f} s after {self.until}"
+            log.info(f"{self.name}: done {when}")
             return True
         if rc is not None:
             tail = "\n".join(self._tail())
-            log.warning(f"compile warm-up: the child exited with {rc} (the run compiles from scratch; nothing else "
+            log.warning(f"{self.name}: the child exited with {rc} (the run compiles from scratch; nothing else "
                         f"changes); the end of {self.log_path}:\n{tail}")
         return False
 
