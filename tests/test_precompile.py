@@ -77,12 +77,15 @@ def test_auto_starts_a_child_only_where_it_can_pay(no_env, tmp_path, monkeypatch
     assert start(gpu, gpu) is None                         # 80 < 3 x 30 GiB: no room for a second target
     assert any("compile after the training step" in m for m in caplog.messages)
     free[0] = 200 * 2**30
-    warm = use_compile_cache(cfg) / "fxgraph" / "x"
-    warm.mkdir(parents=True)
-    (warm / "graph").write_text("compiled")
-    assert start(gpu, gpu) is None                         # a warm cache: loading beats a child
-    shutil.rmtree(warm.parent)
-    assert start(gpu, gpu) == "child"                      # cold again
+    graphs = use_compile_cache(cfg) / "fxgraph" / "x"      # cold when the run started using it...
+    graphs.mkdir(parents=True)
+    (graphs / "graph").write_text("compiled")              # ...then the run compiled something (its flex kernels)
+    assert start(gpu, gpu) == "child"                      # still a cold start (the GPU run of 2026-12-03 skipped it)
+    use_compile_cache(cfg)                                 # a later run finds the cache warm at its start
+    assert start(gpu, gpu) is None                         # loading beats a child
+    assert any("the compile cache was warm at the start" in m for m in caplog.messages)
+    shutil.rmtree(graphs.parent)
+    use_compile_cache(cfg)
     off = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, precompile="never"))
     assert start(gpu, gpu, c=off) is None
     assert precompile.precompile_parts(_cfg(tmp_path / "e", "train.compile=eager"), validating=True) == []

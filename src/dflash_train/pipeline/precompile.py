@@ -35,7 +35,7 @@ from ..models.checkpoint import drafter_class, drafter_config_from_json, drafter
 from ..models.drafter import DrafterConfig
 from ..models.target import FeatureForward, load_target
 from ..training.cudagraphs import configure_cudagraphs
-from ..training.startup import compile_cache_dir, compiled_artifacts, use_compile_cache
+from ..training.startup import compile_cache_dir, started_cold, use_compile_cache
 from ..training.step import DrafterStep
 from ..training.warmup import CompileWarmup
 from .loader import dummy_batch
@@ -91,8 +91,10 @@ def start_precompile(cfg: Config, drafter_config: DrafterConfig, parts: list[str
         return _start(cfg, drafter_config, parts, target_device, drafter_device, scratch)
     if target_device.type != "cuda" or drafter_device.type != "cuda":
         return None
-    if compiled_artifacts(compile_cache_dir(cfg)):
-        return None  # a warm cache: this process loads what it needs faster than a child could start
+    if not started_cold(compile_cache_dir(cfg)):  # this process loads what it needs faster than a child could start
+        log.info(f"compile: {' and '.join(parts)} compile after the training step (the compile cache was warm at "
+                 "the start)")
+        return None
     free = min(torch.cuda.mem_get_info(d)[0] for d in {target_device, drafter_device})
     if free < MEMORY_FACTOR * child_bytes:
         log.info(f"compile: {' and '.join(parts)} compile after the training step, not beside it in a child process "

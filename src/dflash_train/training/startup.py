@@ -55,6 +55,7 @@ def use_compile_cache(cfg: Config) -> Path | None:
         return None
     os.environ[ENV_VAR] = str(d)  # cache_dir_utils.cache_dir() reads it at every lookup
     cached = compiled_artifacts(d)
+    _AT_START[d] = cached
     state = f"warm: {cached} compiled artifacts from earlier runs" if cached else "cold: compiling fills it"
     off = [name for name in SWITCHES if os.environ.get(name) == "0"]
     disabled = f"; turned off by {' and '.join(f'{n}=0' for n in off)}" if off else ""
@@ -65,6 +66,17 @@ def use_compile_cache(cfg: Config) -> Path | None:
 def compiled_artifacts(d: Path) -> int:
     """How many reusable compiled graphs the compile cache `d` holds (0: cold, or no such directory)."""
     return sum(1 for part in CACHED_PARTS for p in (Path(d) / part).rglob("*") if p.is_file())
+
+
+_AT_START: dict[Path, int] = {}  # compile cache -> its artifacts when use_compile_cache pointed this process at it
+
+
+def started_cold(d: Path) -> bool:
+    """Whether this process found the compile cache `d` empty when it started using it (use_compile_cache), so
+    that what the run compiled itself since (the target's flex kernels while it computed validation's features, for
+    one) does not count; a cache this process never set up is judged as it is now."""
+    d = Path(d).resolve()
+    return (_AT_START[d] if d in _AT_START else compiled_artifacts(d)) == 0
 
 
 def seconds_since_process_start() -> float | None:
