@@ -16,7 +16,7 @@ from dflash_train.models.build import build_drafter
 from dflash_train.models.target import FeatureForward, load_target, load_tokenizer, target_config_info
 from dflash_train.pipeline import precompile
 from dflash_train.pipeline.loader import dummy_batch
-from dflash_train.training.startup import ENV_VAR, use_compile_cache
+from dflash_train.training.startup import ENV_VAR, rebase_cold_start, use_compile_cache
 from dflash_train.training.step import DrafterStep
 from tiny_chat import make_tiny_chat_target, write_chats
 
@@ -81,8 +81,10 @@ def test_auto_starts_a_child_only_where_it_can_pay(no_env, tmp_path, monkeypatch
     graphs.mkdir(parents=True)
     (graphs / "graph").write_text("compiled")              # ...then the run compiled something (its flex kernels)
     assert start(gpu, gpu) == "child"                      # still a cold start (the GPU run of 2026-12-03 skipped it)
-    use_compile_cache(cfg)                                 # a later run finds the cache warm at its start
+    rebase_cold_start(cfg)                                 # the demo, after its warm-up child filled the cache
     assert start(gpu, gpu) is None                         # loading beats a child
+    use_compile_cache(cfg)                                 # a later run that finds it warm at its start
+    assert start(gpu, gpu) is None
     assert any("the compile cache was warm at the start" in m for m in caplog.messages)
     shutil.rmtree(graphs.parent)
     use_compile_cache(cfg)

@@ -156,7 +156,7 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
     from .inference.measure import measure_acceptance
     from .models.target import load_tokenizer
     from .pipeline.coordinator import run_log_file, train_pipeline
-    from .training.startup import use_compile_cache
+    from .training.startup import rebase_cold_start, use_compile_cache
     from .training.warmup import CompileWarmup, wants_warmup
 
     t_start = time.perf_counter()
@@ -180,6 +180,7 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
         with CompileWarmup(cfg, where / "compile_warmup", where / "compile_warmup.log") as warmup:
             cfg, regen = regenerate_demo_data(cfg, tokenizer)
             warmup.finish(WARMUP_WAIT_S)
+        rebase_cold_start(cfg)  # the warm-up filled the cache: the pipeline's precompile child would only repeat it
     else:
         cfg, regen = regenerate_demo_data(cfg, tokenizer)
     phases["regenerate"] = time.perf_counter() - t0

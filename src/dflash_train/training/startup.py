@@ -79,6 +79,14 @@ def started_cold(d: Path) -> bool:
     return (_AT_START[d] if d in _AT_START else compiled_artifacts(d)) == 0
 
 
+def rebase_cold_start(cfg: Config) -> None:
+    """From now on started_cold judges cfg's compile cache as it is at this call: for a caller that filled it on
+    purpose before training starts (the demo's warm-up child), so that the pipeline does not compile again what is
+    there."""
+    d = compile_cache_dir(cfg)
+    _AT_START[d] = compiled_artifacts(d)
+
+
 def seconds_since_process_start() -> float | None:
     """Wall seconds since this process started, read from /proc (Linux); None where that cannot be read."""
     try:
