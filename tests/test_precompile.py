@@ -13,9 +13,8 @@ import torch
 from dflash_train.config import load_config
 from dflash_train.devices import resolve_config
 from dflash_train.models.build import build_drafter
-from dflash_train.models.target import FeatureForward, load_target, load_tokenizer, target_config_info
+from dflash_train.models.target import load_target, load_tokenizer, target_config_info
 from dflash_train.pipeline import precompile
-from dflash_train.pipeline.loader import dummy_batch
 from dflash_train.training.startup import ENV_VAR, rebase_cold_start, use_compile_cache
 from dflash_train.training.step import DrafterStep
 from tiny_chat import make_tiny_chat_target, write_chats
@@ -95,11 +94,13 @@ def test_auto_starts_a_child_only_where_it_can_pay(no_env, tmp_path, monkeypatch
     assert len(started) == 2
 
 
-@pytest.mark.slow  # inductor's C++ codegen of a tiny validation forward and target forward: ~1 minute on 2 cores
+@pytest.mark.slow  # inductor's C++ codegen of a tiny validation forward in the child: ~40 s on 2 cores
 @pytest.mark.skipif(not (shutil.which("g++") or shutil.which("clang++")), reason="inductor on CPU needs a C++ compiler")
 def test_what_the_child_compiled_is_what_the_workers_then_load(no_env, tmp_path):
-    """The child compiles on dummy inputs of the real shapes; the workers then call the same code on the run's real
-    validation batch and rows: every graph they compile must be a cache hit."""
+    """The child compiles validation's forward on a dummy batch of the real shapes; replica 0 then compiles it on
+    the run's real held-out batch and rows: a cache hit, or the child saved nothing. (The target part is left out
+    for the suite's time: its worker warms up on the very dummy batch the child uses, so only process-wide
+    settings could split the two, and this case checks those too.)"""
     from torch._dynamo.utils import counters
 
     from dflash_train.data.dataset import load_dataset
@@ -111,7 +112,7 @@ def test_what_the_child_compiled_is_what_the_workers_then_load(no_env, tmp_path)
     # test process's one (conftest.py). On CUDA, the mode auto is for, it does not enter the key.
     no_env.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     dcfg = _drafter_config(cfg)
-    child = precompile.start_precompile(cfg, dcfg, ["validation", "target"], torch.device("cpu"),
+    child = precompile.start_precompile(cfg, dcfg, ["validation"], torch.device("cpu"),
                                         torch.device("cpu"), tmp_path / "scratch", child_bytes=0)
     assert child.finish(timeout_s=900), child.log_path.read_text()[-3000:]
     torch._dynamo.reset()  # nothing of this process's own compiles in memory: only the shared cache
@@ -123,8 +124,5 @@ def test_what_the_child_compiled_is_what_the_workers_then_load(no_env, tmp_path)
     step = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, cfg.train, torch.device("cpu"),
                        tag="0")
     step.evaluate(rows.batches[0], rows.feats[rows.row_of[0]])     # as Validator.warm_up calls it
-    forward = FeatureForward(target, cfg.train.token_budget, cfg.model.target_compile)
-    warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
-    forward(warm.input_ids, warm.position_ids, warm.doc_ids)      # as TargetWorker.setup calls it
     got = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit")}
-    assert got["fxgraph_cache_miss"] == 0 and got["fxgraph_cache_hit"] >= 2, got
+    assert got["fxgraph_cache_miss"] == 0 and got["fxgraph_cache_hit"] >= 1, got
