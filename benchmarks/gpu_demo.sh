@@ -65,15 +65,20 @@ EOF
 }
 
 # The tiny pipeline on the GPU (validation + measurement after training, reduce-overhead steps in worker threads,
-# flex target as a CUDA graph); $1 = run directory, the rest = extra overrides.
+# compiled flex target as a CUDA graph, on a cold cache the precompile child); $1 = run directory, the rest = extra
+# overrides.
 tiny_run() {
   local run=$1; shift
   tiny_llama
   timeout 300 python3 -m dflash_train.cli train --config tiny_cpu model.target=/tmp/tiny_llama run.out_dir=$run \
       run.overwrite=true "pipeline.target_devices=[cuda:0]" "pipeline.drafter_devices=[cuda:0]" \
       train.compile=reduce-overhead train.attention=flex train.dtype=bf16 model.target_attention=flex \
-      model.target_graphs=true data.heldout_fraction=0.1 train.max_steps=60 train.eval_every=20 \
-      train.final_eval_prompts=4 train.final_eval_new_tokens=32 "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -14
+      model.target_graphs=true model.target_compile=default data.heldout_fraction=0.1 train.max_steps=60 \
+      train.eval_every=20 \
+      train.final_eval_prompts=4 train.final_eval_new_tokens=32 train.compile_times=true "$@" 2>&1 \
+      | grep -v -E "it/s\]|s/it\]" > $run.log
+  # the start-up (the precompile child on a cold cache, each stage's compile time), then the run's end
+  grep -E "precompile|ready in|first step|compile_inner|bw_compiler|async_compile.wait" $run.log; tail -14 $run.log
 }
 
 check() {
