@@ -148,8 +148,11 @@ vcollect() {
 bench() {
   banner "bench --only ${BENCH:-startup}"; mkdir -p "$OUT"
   rm -rf $S/runs/variant_* /tmp/dflash_bench_* 2>/dev/null  # the startup runs need ~35 GB of /tmp
+  # Streamed, not tailed at the end: a call stopped at its limit still returns what ran (the JSON is rewritten after
+  # each row, the whole log is in $OUT).
   timeout $(( ${BENCH_S:-500} + 60 )) python3 benchmarks/bench.py --only "${BENCH:-startup}" --budget-s "${BENCH_S:-500}" \
-      --json "$OUT/bench_${BENCH:-startup}.json" 2>&1 | grep -v -E "^    \| .*(it/s\]|s/it\])" | tail -40
+      --json "$OUT/bench_${BENCH:-startup}.json" 2>&1 | grep --line-buffered -v -E "^    \| .*(it/s\]|s/it\])" \
+      | tee "$OUT/bench_${BENCH:-startup}.log" | grep --line-buffered -v -E "^    \| (.*(Loading|Writing)|\s*$)"
 }
 
 finish() {
