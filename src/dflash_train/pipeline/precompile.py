@@ -9,10 +9,12 @@ compiles the first, and leaves their kernels in the shared compile cache (traini
 compiles those two as it always does, finding their kernels there: dynamo still traces and graphs are still
 captured here; only inductor's and Triton's work is saved.
 
-  precompile = start_precompile(cfg, drafter_config, parts, target_device, drafter_device, scratch)
-      None when it cannot pay: not CUDA, nothing compiled, a warm cache, or too little free memory for a second
-      target (the child loads its own copy; it frees it when it exits)
-  ... the drafters compile their training step (the child does validation first: it is needed first) ...
+  parts = precompile_parts(cfg, validating)     # validation (first: it is needed first), target
+  precompile = start_precompile(cfg, drafter_config, parts, target_device, drafter_device, scratch, child_bytes)
+      None with pipeline.precompile=never, and (auto) where it cannot pay: not CUDA, nothing compiled, a cache warm
+      at the run's start, or less free device memory than 3x the child's weights (it loads its own copy of the
+      target, and frees it when it exits)
+  ... the drafters compile their training step ...
   precompile.finish(timeout_s, beat)   before the target workers start; a child still running then is stopped
 
 A failed or stopped child is a warning: this process compiles whatever the cache lacks itself, nothing else changes.
@@ -42,7 +44,6 @@ from .loader import dummy_batch
 
 log = logging.getLogger("dflash_train")
 
-PARTS = ("validation", "target")  # what the child may compile, in this order
 MEMORY_FACTOR = 3  # free device memory needed, in multiples of the child's own weights (target + fp32 drafter x 2)
 
 
