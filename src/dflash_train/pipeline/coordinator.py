@@ -49,10 +49,10 @@ from ..training.trainer import TrainResult
 from .devices import cpu_threads_per_worker
 from .distributed import DistributedSync, config_fingerprint
 from .drafter_worker import DrafterShared, DrafterWorker, RecompileGuard, weights_checksum
-from .precompile import Precompile, precompile_parts, start_precompile
 from .faults import FaultPlan
 from .gradsync import GradAverager
 from .loader import DataShard, LoaderWorker, dummy_batch
+from .precompile import Precompile, precompile_parts, start_precompile
 from .prefetch import Prefetcher
 from .reporter import StepReporter
 from .target_worker import TargetWorker
