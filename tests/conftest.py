@@ -63,6 +63,15 @@ def fixed_seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def no_env(monkeypatch):
+    """TORCHINDUCTOR_CACHE_DIR unset here and restored afterwards (use_compile_cache sets it process-wide)."""
+    from dflash_train.training.startup import ENV_VAR
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    return monkeypatch
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("tiny_llama"), "llama")

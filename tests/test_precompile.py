@@ -15,16 +15,9 @@ from dflash_train.devices import resolve_config
 from dflash_train.models.build import build_drafter
 from dflash_train.models.target import load_target, load_tokenizer, target_config_info
 from dflash_train.pipeline import precompile
-from dflash_train.training.startup import ENV_VAR, rebase_cold_start, use_compile_cache
+from dflash_train.training.startup import rebase_cold_start, use_compile_cache
 from dflash_train.training.step import DrafterStep
 from tiny_chat import make_tiny_chat_target, write_chats
-
-
-@pytest.fixture
-def no_env(monkeypatch):
-    """TORCHINDUCTOR_CACHE_DIR unset here and restored afterwards (use_compile_cache sets it process-wide)."""
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    return monkeypatch
 
 
 def _cfg(tmp_path, *extra):

@@ -18,13 +18,6 @@ from dflash_train.training.metrics import MetricsLogger
 from dflash_train.training.startup import ENV_VAR, compile_cache_dir, use_compile_cache
 
 
-@pytest.fixture
-def no_env(monkeypatch):
-    """TORCHINDUCTOR_CACHE_DIR unset here and restored afterwards (use_compile_cache sets it process-wide)."""
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    return monkeypatch
-
-
 def test_the_cache_directory_defaults_beside_the_data_cache(no_env, tmp_path):
     runs = tmp_path / "runs"
     assert compile_cache_dir(load_config("tiny_cpu", [f"run.out_dir={runs}/a"])) == runs / ".cache" / "torch_compile"

@@ -13,16 +13,9 @@ import yaml
 
 from dflash_train.config import load_config
 from dflash_train.devices import resolve_config
-from dflash_train.training.startup import ENV_VAR, compile_cache_dir, use_compile_cache
+from dflash_train.training.startup import compile_cache_dir, use_compile_cache
 from dflash_train.training.warmup import CompileWarmup, wants_warmup, warmup_overrides
 from tiny_chat import make_tiny_chat_target, write_chats
-
-
-@pytest.fixture
-def no_env(monkeypatch):
-    """TORCHINDUCTOR_CACHE_DIR unset here and restored afterwards (use_compile_cache sets it process-wide)."""
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    return monkeypatch
 
 
 def _cfg(tmp_path, *extra):

@@ -134,15 +134,15 @@ def main(argv: list[str]) -> int:
             with torch.device(dev):
                 drafter = drafter_class(dcfg)(dcfg).float().train()
             step = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, t, dev, tag="0")
+            b = batch.to(dev)
             feats = torch.zeros(t.token_budget, step.feats_width, device=dev, dtype=step.dtype)
             for _ in range(2):
-                step.evaluate(batch.to(dev), feats)
-            del step, drafter, feats
+                step.evaluate(b, feats)
+            del step, drafter, feats  # room for the target's part
         elif part == "target":
             forward = FeatureForward(target, t.token_budget, cfg.model.target_compile, cfg.model.target_graphs)
             b = batch.to(target.device)
             forward(b.input_ids, b.position_ids, b.doc_ids)
-            del forward
         log.info(f"precompile: {part} compiled in {time.perf_counter() - t0:.1f} s")
     return 0
 
