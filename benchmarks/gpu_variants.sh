@@ -17,7 +17,7 @@
 # 2026-12-03, before which `ce` meant random and `tinit` the copy), decay (the paper's fixed position weights,
 # train.position_weights=decay: the demo's until 2026-12-03, when the acceptance-aware `dynamic` weights, after
 # D-PACE, became the default), gamma4 (decay, sharper: train.gamma=4 instead of 7 at B=16), dynamic0 (dynamic without
-# its floor: train.dynamic_alpha=0), alpha25 (dynamic_alpha=0.25), lr3e3 (lr 3e-3), muon (train.optimizer=muon: Muon
+# its floor: train.dynamic_alpha=0), alpha25 (dynamic_alpha=0.25), lr3e3 / lr4e3 / lr8e3 (lr 3e-3, 4e-3, 8e-3), muon (train.optimizer=muon: Muon
 # for the matrices, AdamW for the rest, same lr), muon1e3 (muon at lr 1e-3), anchors512 (512 anchors per row: half
 # the drafter's work a step, so more, smaller steps in the same minutes), reuse2 (train.steps_per_row=2: two drafter
 # steps on each target forward, each with its own anchors), reuse2a512 (the same with 512 anchors). The loss
@@ -69,6 +69,8 @@ variant_args() {
     anchors2k) echo "train.num_anchors=2048" ;;
     lr1e3) echo "train.lr=1e-3" ;;
     lr3e3) echo "train.lr=3e-3" ;;
+    lr4e3) echo "train.lr=4e-3" ;;
+    lr8e3) echo "train.lr=8e-3" ;;
     rinit) echo "model.drafter_layer_init=random" ;;
     decay) echo "train.position_weights=decay" ;;
     gamma4) echo "train.position_weights=decay train.gamma=4" ;;
