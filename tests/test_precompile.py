@@ -57,7 +57,9 @@ def test_auto_starts_a_child_only_where_it_can_pay(no_env, tmp_path, monkeypatch
     monkeypatch.setattr(precompile, "Precompile", lambda *a: started.append(a) or "child")
     free = [200 * 2**30]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free[0], 300 * 2**30))
-    cfg = _cfg(tmp_path, "train.compile=default", "model.target_compile=default")
+    default = _cfg(tmp_path / "d", "train.compile=default", "model.target_compile=default")
+    assert default.pipeline.precompile == "never"          # the default since a GPU run started slower with the child
+    cfg = dataclasses.replace(default, pipeline=dataclasses.replace(default.pipeline, precompile="auto"))
     dcfg, gpu, cpu = _drafter_config(cfg), torch.device("cuda", 0), torch.device("cpu")
     parts = precompile.precompile_parts(cfg, validating=True)
     assert parts == ["validation", "target"]
@@ -82,6 +84,7 @@ def test_auto_starts_a_child_only_where_it_can_pay(no_env, tmp_path, monkeypatch
     use_compile_cache(cfg)
     off = dataclasses.replace(cfg, pipeline=dataclasses.replace(cfg.pipeline, precompile="never"))
     assert start(gpu, gpu, c=off) is None
+    assert start(gpu, gpu, c=default) is None
     assert precompile.precompile_parts(_cfg(tmp_path / "e", "train.compile=eager"), validating=True) == []
     assert precompile.precompile_parts(cfg, validating=False) == ["target"]
     assert len(started) == 2

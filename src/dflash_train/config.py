@@ -416,10 +416,11 @@ class PipelineConfig:
     drafter_devices: list[str] = _f(["auto"], "Devices each holding one drafter replica, e.g. ['cuda:1', 'cuda:2'].")
     queue_depth: int = _f(4, "Bounded depth of each queue between stages (backpressure).")
     stall_timeout_s: float = _f(600.0, "A worker silent this long is reported as stalled and the run stops.")
-    precompile: str = _f("auto", "Compile validation's and the target's forward in a child process while the "
-                                 "training step compiles (pipeline/precompile.py): auto (on CUDA, when they are "
-                                 "compiled, the compile cache is cold and the device has room for a second target) "
-                                 "| always | never (after the training step, in this process).")
+    precompile: str = _f("never", "Compile validation's and the target's forward in a child process while the "
+                                  "training step compiles (pipeline/precompile.py): never (after the training step, "
+                                  "in this process; the default: the one GPU run with the child, 2026-12-03, started "
+                                  "slower, docs/BENCHMARKS.md) | auto (on CUDA, when they are compiled, the compile "
+                                  "cache is cold and the device has room for a second target) | always.")
     grad_reduce: str = _f("host", "How drafter replicas of one process average gradients every step: host (replica 0 "
                                   "sums them in replica order, its thread waiting for each backward) | nccl (one "
                                   "NCCL all-reduce across the replicas' GPUs on their own streams: no host wait, "

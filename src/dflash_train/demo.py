@@ -45,7 +45,7 @@ RECIPE = "smollm2_demo"
 # validation every 500 steps on 4 held-out rows.
 GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenerate_first_turn_only=true",
                  "data.self_prompts=60000", "data.regenerate_minutes=6", "data.max_length=2048",
-                 "train.token_budget=8192", "train.num_anchors=1024", "train.lr=2e-3", "train.warmup_ratio=0.04",
+                 "train.token_budget=8192", "train.num_anchors=1024", "train.lr=4e-3", "train.warmup_ratio=0.04",
                  "train.max_steps=null", "train.epochs=10", "train.max_minutes=10.5",
                  "train.log_every=100", "train.eval_every=500", "train.eval_rows=4", "train.checkpoint_every=2000",
                  "train.final_eval_prompts=0", "model.num_draft_layers=5", "model.drafter_layer_init=target",

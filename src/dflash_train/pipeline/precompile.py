@@ -17,6 +17,11 @@ captured here; only inductor's and Triton's work is saved.
   ... the drafters compile their training step ...
   precompile.finish(timeout_s, beat)   before the target workers start; a child still running then is stopped
 
+Off by default (pipeline.precompile=never): the one GPU measurement, the Qwen3-8B-shaped start-up benchmark of
+2026-12-03 on one H200, had not reached its first step after 388 s with the child, against 304 s without it the run
+before. Both compiles share the host's cores (each process its own pool of compile workers), and the training step's
+compile is the long one; whether a child with fewer workers pays is not measured.
+
 A failed or stopped child is a warning: this process compiles whatever the cache lacks itself, nothing else changes.
 The child: `python -m dflash_train.pipeline.precompile CONFIG DRAFTER_CONFIG PARTS TARGET_DEVICE DRAFTER_DEVICE`.
 """
