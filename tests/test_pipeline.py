@@ -48,7 +48,8 @@ def test_two_replicas_stay_identical_every_step(tiny_llama, tmp_path):
     assert len(set(c[0] for c in res.replica_checksums)) == 12  # the weights do change every step
     assert res.replica_batches == [list(range(0, 24, 2)), list(range(1, 24, 2))]  # each batch once, i -> i % 2
     assert [h["step"] for h in res.history] == [4, 8, 12]
-    assert {"drafter_wait", "target_wait", "queues"} <= res.history[-1].keys()
+    assert {"drafter_wait", "target_wait", "queues", "grad_norm", "grad_norm_max", "clipped"} <= res.history[-1].keys()
+    assert all(0 < h["grad_norm"] <= h["grad_norm_max"] and 0 <= h["clipped"] <= 1 for h in res.history)
     busy = res.stage_fractions["busy_by_worker"]  # each worker's own share; the stage figure is their mean
     assert set(busy) == {"target0", "drafter0", "drafter1"} and all(0 < v <= 1 for v in busy.values())
     assert res.stage_fractions["drafter_busy"] == pytest.approx((busy["drafter0"] + busy["drafter1"]) / 2, rel=0.05)

@@ -39,6 +39,7 @@ def test_tiny_run_learns_the_predictable_stream(optimizer, tiny_llama, tmp_path)
     assert last["acc"][0] > 0.95, last["acc"]
     assert last["loss"] < 0.25 * first["loss"]
     assert last["tau_est"] > 7.0                      # B = 8, so tau <= 8
+    assert first["grad_norm"] > last["grad_norm"] > 0  # each window's gradient norm before clipping is logged
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -186,6 +187,31 @@ def test_device_side_skip_matches_the_host_decision(caplog):
     assert "by step 8: 2 more step(s) with a non-finite loss or gradients, update skipped (2 so far)" in caplog.text
     with pytest.raises(NonFiniteError, match="Step 2 has a non-finite loss"):
         run(fused=True, nonfinite="stop")          # stop decides on the host, at the step itself
+
+
+def test_grad_norms_report_the_window_before_clipping():
+    """The log window's gradient norms are those clip_grad_norm_ saw (before clipping): the mean over the finite
+    steps, the max, and the share of steps the clip cut; a non-finite step is left out; a read starts a new window."""
+    from dflash_train.config import TrainConfig
+    from dflash_train.training.metrics import _grad_note
+    from dflash_train.training.optim import Updater, build_scheduler
+
+    cfg = TrainConfig(lr=1e-3, warmup_ratio=0.0)
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, fused=True)
+    update = Updater(params, opt, build_scheduler(opt, cfg, 8), 1.0, "skip", announce=False)
+    grads = {1: ([0.3, 0.4], [0.0]), 2: ([2.0, 0.0], [0.0]), 3: ([float("inf"), 0.0], [0.0]), 4: ([0.0, 0.0], [1.0])}
+    for step, (a, b) in grads.items():
+        params[0].grad, params[1].grad = torch.tensor(a), torch.tensor(b)
+        update(step)
+    norms = update.grad_norms()            # finite steps: 0.5, 2.0, 1.0; only 2.0 is over the clip of 1.0
+    assert norms == pytest.approx({"grad_norm": 3.5 / 3, "grad_norm_max": 2.0, "clipped": 1 / 3})
+    assert _grad_note(dict(norms)) == " | gnorm 1.17 (max 2.00, 33% clipped)"
+    assert update.grad_norms() == {}       # nothing since the read
+    unclipped = Updater(params, opt, build_scheduler(opt, cfg, 8), 0.0, "skip")
+    params[0].grad, params[1].grad = torch.tensor([3.0, 4.0]), torch.tensor([0.0])
+    unclipped(1)
+    assert unclipped.grad_norms() == pytest.approx({"grad_norm": 5.0, "grad_norm_max": 5.0})
 
 
 def test_log_window_estimate_covers_every_block_of_the_window():

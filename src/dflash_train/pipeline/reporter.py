@@ -100,6 +100,7 @@ class StepReporter:
             self._t = time.perf_counter()
             extra["queues"] = f"{self.batch_queue.qsize()}/{self.feats_queue.qsize()}"
             extra["skipped"] = replica.update.skipped(step)
+            extra.update(replica.update.grad_norms())
             self.logger.log(step, metrics, replica.scheduler.get_last_lr()[0], extra=extra)
         if first:  # the log windows start after the first step: start-up is no window's (MetricsLogger.start_window)
             self.logger.start_window(step)

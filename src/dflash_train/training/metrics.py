@@ -130,7 +130,7 @@ class MetricsLogger:
         if self.budget is not None and self.budget.max_s is not None:
             eta = min(eta, max(0.0, self.budget.max_s - self.budget.elapsed_s))
         line = (f"step {step:>6}/{self.total_steps} | loss {rec['loss']:.4f} | acc@1 {acc[0]:.3f} "
-                f"acc@4 {acc[min(3, len(acc) - 1)]:.3f} | tau~ {rec['tau_est']:.2f} | lr {lr:.2e} | "
+                f"acc@4 {acc[min(3, len(acc) - 1)]:.3f} | tau~ {rec['tau_est']:.2f} | lr {lr:.2e}{_grad_note(rec)} | "
                 f"{rec['tokens_per_s']:,.0f} tok/s | eta {_fmt_s(eta)}")
         for key in ("drafter_wait", "target_wait", "queues"):
             if extra and key in extra:
@@ -145,7 +145,7 @@ class MetricsLogger:
         log.info(line)
         self.history.append(rec)
         self._write(rec)
-        self._scalars("train", "acc", rec, ("loss", "tau_est", "lr", "tokens_per_s"))
+        self._scalars("train", "acc", rec, ("loss", "tau_est", "lr", "tokens_per_s", "grad_norm", "clipped"))
         return rec
 
     def log_val(self, step: int, metrics: dict[str, torch.Tensor], extra: dict | None = None) -> dict:
@@ -199,3 +199,11 @@ class MetricsLogger:
 def _fmt_s(s: float) -> str:
     s = int(max(0, s))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def _grad_note(rec: dict) -> str:
+    """' | gnorm 0.84 (max 2.10, 35% clipped)' from a record's window of gradient norms (before clipping), or ''."""
+    if "grad_norm" not in rec:
+        return ""
+    clipped = f", {rec['clipped']:.0%} clipped" if "clipped" in rec else ""
+    return f" | gnorm {rec['grad_norm']:.2f} (max {rec['grad_norm_max']:.2f}{clipped})"

@@ -120,6 +120,8 @@ class Updater:
         self.on_device = on_device and nonfinite == "skip"
         self._count = torch.zeros((), dtype=torch.float32, device=params[0].device) if self.on_device else None
         self._host_count = 0   # host mode: the count; device mode: the count at the last read
+        # The gradient norms since the last read (grad_norms): sum, max, finite steps, steps over grad_clip.
+        self._norms = torch.zeros(4, dtype=torch.float32, device=params[0].device)
 
     def __call__(self, step: int) -> None:
         """Update after 1-based training step `step`."""
@@ -127,6 +129,7 @@ class Updater:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+        self._record(norm)
         if self.on_device:
             bad = (~torch.isfinite(norm)).to(torch.float32)
             self.optimizer.found_inf = bad    # read by fused AdamW and MuonAdamW: skip the whole update when 1
@@ -147,6 +150,27 @@ class Updater:
         # Keep .grad allocated: with CUDA graphs (reduce-overhead) a None grad would *steal* the graph's static output
         # buffer, which a later replay may overwrite (see training/step.py). Zeroed in place instead.
         self.optimizer.zero_grad(set_to_none=False)
+
+    def _record(self, norm: torch.Tensor) -> None:
+        """Add this step's gradient norm (before clipping) to the window, on the device: no host sync."""
+        ok = torch.isfinite(norm)
+        value = torch.where(ok, norm.float(), 0.0)
+        over = value > self.grad_clip if self.grad_clip > 0 else torch.zeros_like(ok)
+        s = self._norms
+        s.copy_(torch.stack((s[0] + value, torch.maximum(s[1], value), s[2] + ok, s[3] + over)))
+
+    def grad_norms(self) -> dict[str, float]:
+        """The window's gradient norms before clipping, since the last call (a host sync: log steps only):
+        grad_norm (the mean over its finite steps), grad_norm_max, and clipped (the share of its steps whose norm
+        train.grad_clip cut; absent when clipping is off). Empty when no finite step was recorded."""
+        total, peak, steps, over = self._norms.tolist()
+        self._norms.zero_()
+        if not steps:
+            return {}
+        out = {"grad_norm": total / steps, "grad_norm_max": peak}
+        if self.grad_clip > 0:
+            out["clipped"] = over / steps
+        return out
 
     def skipped(self, step: int) -> int:
         """Steps skipped so far (device mode: a host sync, and the skips since the last read are announced)."""
