@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.config import DataConfig
+from dflash_train.config import ConfigError, DataConfig
 from dflash_train.data import conversations as conv_mod
 from dflash_train.data.conversations import ChatEncoder, DataError, is_heldout, load_chat_dataset
 from dflash_train.data.dataset import load_dataset
@@ -285,6 +285,42 @@ def test_max_samples_takes_first_train_conversations_and_stops_early(tmp_path, t
     monkeypatch.setattr(conv_mod, "ENCODE_BATCH", 1)  # batching never changes the result
     one = load_chat_dataset(DataConfig(source=str(path), heldout_fraction=0.1, heldout_max=5, max_samples=20), tok)
     assert one.train == small.train and one.heldout == small.heldout
+
+
+@pytest.mark.timeout(300)  # the hang this guards against: forked workers waiting on the tokenizer's thread pool
+def test_worker_processes_give_the_in_process_split(tmp_path, tok, monkeypatch):
+    """data.tokenize_workers=2 (forked processes, many small batches in flight) gives exactly what tokenizing in
+    this process gives: the same samples in the same order, the same held-out set, the same counts, with caps
+    reached mid-flight and conversations skipped on the way (a long question leaves no answer within max_length).
+    TOKENIZERS_PARALLELISM=true, with the tokenizer's thread pool used in this process first: forked workers that
+    kept it on would wait forever on threads that do not exist in them."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    monkeypatch.setattr(conv_mod, "ENCODE_BATCH", 3)
+    chats = many_chats(400)
+    for i in range(0, 400, 7):
+        chats[i]["conversations"][0]["value"] = "word " * 200
+    path = write_jsonl(tmp_path / "d.jsonl", chats)
+    cfg = dict(source=str(path), heldout_fraction=0.2, heldout_max=30, max_length=64, max_samples=150)
+    here = load_chat_dataset(DataConfig(**cfg, tokenize_workers=0), tok)
+    pooled = load_chat_dataset(DataConfig(**cfg, tokenize_workers=2), tok)
+    assert here.stats["skipped"]["no_assistant_tokens_within_max_length"] > 0
+    assert here.stats["stopped_early"] and len(here.train) == 150 and len(here.heldout) == 30
+    assert (pooled.train, pooled.heldout, pooled.heldout_messages) == (here.train, here.heldout, here.heldout_messages)
+    assert pooled.stats == here.stats
+
+
+def test_tokenize_workers_auto(tmp_path, monkeypatch):
+    small = write_jsonl(tmp_path / "d.jsonl", many_chats(10))
+    cfg = DataConfig(source=str(small))
+    monkeypatch.setattr(conv_mod.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert conv_mod.tokenize_workers(cfg, small) == 0                  # a small file: spawning costs more
+    monkeypatch.setattr(conv_mod, "AUTO_WORKERS_MIN_BYTES", 1)
+    assert conv_mod.tokenize_workers(cfg, small) == 8                  # at most 8
+    monkeypatch.setattr(conv_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert conv_mod.tokenize_workers(cfg, small) == 0                  # 2 cores (CI): in this process
+    assert conv_mod.tokenize_workers(DataConfig(source=str(small), tokenize_workers=3), small) == 3
+    with pytest.raises(ConfigError, match="data.tokenize_workers is -1"):
+        DataConfig(source=str(small), tokenize_workers=-1)
 
 
 def test_cache_hit_skips_the_tokenizer(tmp_path, tok, monkeypatch):

@@ -15,9 +15,12 @@ import logging
 import math
 import os
 import re
+import sys
 import tempfile
 import time
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import get_context
 from pathlib import Path
 
 import jinja2
@@ -35,6 +38,8 @@ log = logging.getLogger("dflash_train")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 CACHE_VERSION = 1    # bump when the sample format or the masking rule changes
 ENCODE_BATCH = 64    # conversations per tokenizer call: the fast tokenizer parallelises over a batch
+AUTO_WORKERS_MIN_BYTES = 16 * 2**20  # data.tokenize_workers=auto: smaller files tokenize in this process
+AUTO_WORKERS_MAX = 8
 
 
 class ChatEncoder:
@@ -186,48 +191,142 @@ def load_chat_dataset(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str 
     return split
 
 
+def tokenize_workers(cfg: DataConfig, path: Path) -> int:
+    """data.tokenize_workers, resolved: the number of worker processes (0: tokenize in this process)."""
+    if cfg.tokenize_workers is not None:
+        return cfg.tokenize_workers
+    if sys.platform != "linux":  # workers would be spawned (_Batches): worth it only where a user asks for them
+        return 0
+    cores = len(os.sched_getaffinity(0))
+    if cores < 4 or path.stat().st_size < AUTO_WORKERS_MIN_BYTES:
+        return 0
+    return min(AUTO_WORKERS_MAX, cores - 1)
+
+
+_worker_encoder: ChatEncoder | None = None  # a worker process's own copy (_start_worker)
+
+
+def _start_worker(encoder: ChatEncoder) -> None:
+    global _worker_encoder
+    _worker_encoder = encoder
+    # The fast tokenizer's thread pool does not survive a fork. The tokenizers library turns it off in a forked
+    # child by itself, unless TOKENIZERS_PARALLELISM is set: with it set to true, the child's first batch waits
+    # forever on threads that do not exist (seen on the dev box). The workers are the parallelism here.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _encode_in_worker(batch: list[list[dict]]) -> list[Sample | str]:
+    return _worker_encoder.encode(batch)
+
+
+class _Batches:
+    """ChatEncoder.encode over batches, results in submission order: in this process, or in `workers` processes
+    with up to 2 x workers batches in flight. submit() returns the batches whose results are in.
+
+    The workers are forked on Linux (as torch's DataLoader workers are): they only tokenize, never touch CUDA or
+    the caller's threads, and inherit the encoder without pickling it. Spawned workers would re-import the caller's
+    main module: a script without an `if __name__ == "__main__"` guard then fails in each worker, and on Python
+    3.11 the parent hangs writing the encoder to the dead worker's pipe (seen on the dev box). Elsewhere they are
+    spawned (fork is unsafe on macOS)."""
+
+    def __init__(self, encoder: ChatEncoder, workers: int):
+        self.encoder, self.pool = encoder, None
+        self.in_flight: deque[tuple[list, Future]] = deque()
+        self.limit = 2 * workers
+        self._count = {False: 0, True: 0}  # conversations in flight, by destination (held out or not)
+        if workers > 0:
+            method = "fork" if sys.platform == "linux" else "spawn"
+            self.pool = ProcessPoolExecutor(workers, mp_context=get_context(method), initializer=_start_worker,
+                                            initargs=(encoder,))
+
+    def submit(self, batch: list[tuple[Conversation, bool]]) -> list[tuple[list, list[Sample | str]]]:
+        messages = [conv.messages for conv, _ in batch]
+        if self.pool is None:
+            return [(batch, self.encoder.encode(messages))]
+        self.in_flight.append((batch, self.pool.submit(_encode_in_worker, messages)))
+        for _, held in batch:
+            self._count[held] += 1
+        done = []
+        while len(self.in_flight) > self.limit or (self.in_flight and self.in_flight[0][1].done()):
+            done.append(self._pop())
+        return done
+
+    def drain(self) -> list[tuple[list, list[Sample | str]]]:
+        """Every batch still in flight, waited for."""
+        return [self._pop() for _ in range(len(self.in_flight))]
+
+    def _pop(self) -> tuple[list, list[Sample | str]]:
+        batch, future = self.in_flight.popleft()
+        for _, held in batch:
+            self._count[held] -= 1
+        return batch, future.result()
+
+    def pending(self, held: bool) -> int:
+        """Conversations of one destination still in flight."""
+        return self._count[held]
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+
 def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -> DatasetSplit:
     """Stream conversations in file order; route each by `is_heldout`; tokenize only what will be kept.
 
     Train = the first `max_samples` train-side conversations that tokenize to a usable sample; held-out = the first
     `heldout_max` held-out-side ones (later held-out-side chats are dropped, never trained on). Reading stops as soon
-    as both are full. A destination reaching its cap flushes the batch at once, so the result does not depend on
-    ENCODE_BATCH."""
+    as both are full. Conversations not yet tokenized (pending here or in flight in a worker) count as kept; as soon
+    as that count would fill a destination, everything is tokenized and waited for, so the decision for every
+    conversation is exact and the result depends neither on ENCODE_BATCH nor on data.tokenize_workers."""
     counts: Counter = Counter()
     cap = {False: cfg.max_samples if cfg.max_samples is not None else math.inf,
            True: cfg.heldout_max if cfg.heldout_fraction > 0 else 0}
     kept: dict[bool, list[tuple[Conversation, Sample]]] = {False: [], True: []}
     pending: list[tuple[Conversation, bool]] = []
     n_read, stopped_early = 0, False
+    workers = tokenize_workers(cfg, path)
+    if workers:
+        log.info(f"tokenizing chats in {workers} worker processes (data.tokenize_workers)")
+    batches = _Batches(encoder, workers)
 
     with progress_bar(total=None if cap[False] == math.inf else cap[False], desc="tokenizing chats", unit="conv",
                       leave=False) as bar:  # plain lines when stderr is not a TTY
-        def flush():
-            results = encoder.encode([conv.messages for conv, _ in pending])
-            for (conv, held), result in zip(pending, results):
-                if isinstance(result, str):
-                    counts[f"skip:{result}"] += 1
-                elif len(kept[held]) < cap[held]:
-                    kept[held].append((conv, result))
-                    if not held:
-                        bar.update()
-            pending.clear()
+        def keep(done: list[tuple[list, list[Sample | str]]]) -> None:
+            for batch, results in done:
+                for (conv, held), result in zip(batch, results):
+                    if isinstance(result, str):
+                        counts[f"skip:{result}"] += 1
+                    elif len(kept[held]) < cap[held]:
+                        kept[held].append((conv, result))
+                        if not held:
+                            bar.update()
 
-        for conv in iter_conversations(path, counts):
-            n_read += 1
-            held = is_heldout(conv.key, seed, cfg.heldout_fraction)
-            n_pending = sum(1 for _, h in pending if h == held)
-            if len(kept[held]) + n_pending >= cap[held]:
-                counts["heldout_overflow" if held else "unused_after_train_full"] += 1
-                if all(len(kept[h]) >= cap[h] for h in (False, True)):
-                    stopped_early = True
-                    break
-                continue
-            pending.append((conv, held))
-            if len(pending) >= ENCODE_BATCH or len(kept[held]) + n_pending + 1 >= cap[held]:
-                flush()
-        if pending:
-            flush()
+        def flush(wait: bool) -> None:
+            if pending:
+                keep(batches.submit(list(pending)))
+                pending.clear()
+            if wait:
+                keep(batches.drain())
+
+        try:
+            for conv in iter_conversations(path, counts):
+                n_read += 1
+                held = is_heldout(conv.key, seed, cfg.heldout_fraction)
+                n_pending = sum(1 for _, h in pending if h == held) + batches.pending(held)
+                if len(kept[held]) + n_pending >= cap[held]:
+                    counts["heldout_overflow" if held else "unused_after_train_full"] += 1
+                    if all(len(kept[h]) >= cap[h] for h in (False, True)):
+                        stopped_early = True
+                        break
+                    continue
+                pending.append((conv, held))
+                if len(kept[held]) + n_pending + 1 >= cap[held]:
+                    flush(wait=True)
+                elif len(pending) >= ENCODE_BATCH:
+                    flush(wait=False)
+            flush(wait=True)
+        finally:
+            batches.close()
 
     train, heldout = [s for _, s in kept[False]], [s for _, s in kept[True]]
     skipped = {k.removeprefix("skip:"): n for k, n in sorted(counts.items()) if k.startswith("skip:")}
