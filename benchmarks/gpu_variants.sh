@@ -113,6 +113,7 @@ print(f"{v}: yardstick tau {m[-1]['mean_tau']:.2f} speedup {m[-1]['speedup']:.2f
       else f"{v}: no measurement (see the log)")
 EOF
   cp $run/metrics.jsonl "$OUT/metrics_$v.jsonl" 2>/dev/null
+  cp $run/eval_final/eval.json "$OUT/eval_$v.json" 2>/dev/null  # per prompt: benchmarks/compare_evals.py pairs them
 }
 
 # bench:NAME after the variants (it waits for those running side by side): `bench.py --only NAME` within BENCH_S
