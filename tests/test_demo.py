@@ -374,6 +374,9 @@ def test_the_demo_table_gives_validation_by_source_when_the_best_step_has_it(tmp
     d = DemoResult(tmp_path, "cuda:0", ev, 12, 128, 60.0, 3.0, best, {}, None,
                    {"setup": 1, "regenerate": 0, "train": 60, "evaluate": 5}, 70.0)
     assert "validation 2.50 (regenerated 2.25, self_regenerated 2.75, decoding's walk" in d.table()
+    assert " 1.50 " in d.table() and "±" not in d.table()      # a report without a standard error (older runs)
+    ev["yardstick (another source)"]["mean_tau_se"] = 0.25
+    assert " 1.50 ± 0.25 " in d.table()
     del best["by_source"]
     assert "validation 2.50 (decoding's walk" in d.table()
 

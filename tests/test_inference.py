@@ -484,6 +484,22 @@ def test_eval_cli_bad_prompts_are_one_clear_error(eval_setup, capsys):
     _one_error_line(capsys, "bad.jsonl:1")
 
 
+def test_mean_tau_standard_error_over_prompts():
+    """The report's standard error of mean tau is the sample standard deviation of the per-prompt taus over
+    sqrt(prompts); prompts without a step are left out, and one prompt has none."""
+    import statistics
+
+    from dflash_train.inference.benchmark import EvalReport, PromptReport
+    from dflash_train.inference.report import format_summary
+
+    steps = [[1, 3], [4, 4, 4], [2], []]   # taus 2, 4, 2 and one prompt done at its first token
+    rep = EvalReport(4, 0.0, 8, "cpu", False, prompts=[PromptReport(3, [], [], a, 0.1, 0.1) for a in steps])
+    assert rep.mean_tau_se == pytest.approx(statistics.stdev([2, 4, 2]) / 3 ** 0.5)
+    assert rep.summary()["mean_tau_se"] == rep.mean_tau_se
+    assert f"± {rep.mean_tau_se:.2f} (standard error over prompts)" in format_summary(rep)
+    assert EvalReport(4, 0.0, 8, "cpu", False, prompts=[PromptReport(3, [], [], [2], 0.1, 0.1)]).mean_tau_se is None
+
+
 def test_evaluate_api_with_oracle(tiny_llama):
     t = load_target(tiny_llama, LAYERS, truncate=False)
     prompt = [7, 7, 8]

@@ -250,7 +250,9 @@ def format_demo_table(d: DemoResult) -> str:
 
     rows = [("prompts (never trained on)", "tau", "speedup", "lossless (greedy)")]
     for name, s in d.evals.items():
-        rows.append((f"{name}: {s['num_prompts']} x {s['new_tokens']}", _fmt(s["mean_tau"], ".2f"),
+        se = s.get("mean_tau_se")
+        rows.append((f"{name}: {s['num_prompts']} x {s['new_tokens']}",
+                     _fmt(s["mean_tau"], ".2f") + ("" if se is None else f" ± {se:.2f}"),
                      _fmt(s["speedup"], ".2f", "x"), verdict_text(s)))
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     block = next(iter(d.evals.values()), {}).get("block_size", "?")

@@ -122,6 +122,17 @@ class EvalReport:
         return sum(taus) / len(taus) if taus else None
 
     @property
+    def mean_tau_se(self) -> float | None:
+        """The standard error of mean_tau over prompts: how far another set of prompts of the same kinds could move
+        it (prompts differ far more than two drafters do on one prompt: compare drafters prompt by prompt,
+        benchmarks/compare_evals.py). None below two prompts with a step."""
+        taus = [p.tau for p in self.prompts if p.tau is not None]
+        if len(taus) < 2:
+            return None
+        mean = sum(taus) / len(taus)
+        return (sum((t - mean) ** 2 for t in taus) / (len(taus) - 1) / len(taus)) ** 0.5
+
+    @property
     def tau_estimate(self) -> float | None:
         """Mean over prompts of training's acc@k estimate on the target's greedy output (None when not computed)."""
         est = [p.tau_estimate for p in self.prompts if p.tau_estimate is not None]
@@ -190,7 +201,7 @@ class EvalReport:
             "num_prompts": len(self.prompts), "block_size": self.block_size, "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens, "device": self.device, "dtype": self.dtype,
             "cuda_graphs": self.graphs,
-            "mean_tau": self.mean_tau, "tau_estimate": self.tau_estimate, "tau_by_category": self.tau_by_category,
+            "mean_tau": self.mean_tau, "mean_tau_se": self.mean_tau_se, "tau_estimate": self.tau_estimate, "tau_by_category": self.tau_by_category,
             "steps": len(self.steps),
             "tau_step_weighted": sum(self.steps) / len(self.steps) if self.steps else None,
             "accept_histogram": self.accept_histogram,

@@ -91,7 +91,7 @@ def format_summary(report) -> str:
         ("tokens/s", _fmt(s["baseline_tokens_per_s"], ".1f"), _fmt(s["speculative_tokens_per_s"], ".1f")),
         ("ms/token", _fmt(s["baseline_ms_per_token"], ".3f"), _fmt(s["speculative_ms_per_token"], ".3f")),
         ("speedup", "", _fmt(s["speedup"], ".2f") + "x"),
-        (f"mean tau (B={s['block_size']})", "", _fmt(s["mean_tau"], ".2f")),
+        (f"mean tau (B={s['block_size']})", "", _fmt(s["mean_tau"], ".2f") + _se(s)),
         ("tau estimate (acc@k)", "", _fmt(s["tau_estimate"], ".2f") + "  training's metric on the greedy outputs"),
         ("lossless", "", verdict),
     ]
@@ -101,3 +101,9 @@ def format_summary(report) -> str:
     head = (f"eval: {s['num_prompts']} prompts, max {s['max_new_tokens']} new tokens, T={s['temperature']:g}, "
             f"{s['device']}, {s['dtype']}, cuda graphs {'on' if s['cuda_graphs'] else 'off'}")
     return "\n".join([head] + [f"  {a:<{w0}}  {b:>12}  {c}" for a, b, c in rows])
+
+
+def _se(s: dict) -> str:
+    """'  ± 0.22 (standard error over prompts)', or '' without one (older reports, a single prompt)."""
+    se = s.get("mean_tau_se")
+    return "" if se is None else f"  ± {se:.2f} (standard error over prompts)"
