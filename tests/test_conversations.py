@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -307,6 +308,18 @@ def test_worker_processes_give_the_in_process_split(tmp_path, tok, monkeypatch):
     assert here.stats["stopped_early"] and len(here.train) == 150 and len(here.heldout) == 30
     assert (pooled.train, pooled.heldout, pooled.heldout_messages) == (here.train, here.heldout, here.heldout_messages)
     assert pooled.stats == here.stats
+
+
+def _die(batch):
+    os._exit(3)  # a worker killed mid-batch (e.g. by the out-of-memory killer)
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_that_dies_is_one_clear_error(tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(conv_mod, "_encode_in_worker", _die)   # the forked workers inherit it
+    path = write_jsonl(tmp_path / "d.jsonl", many_chats(50))
+    with pytest.raises(DataError, match="A tokenizing worker process died .* set data.tokenize_workers=0"):
+        load_chat_dataset(DataConfig(source=str(path), tokenize_workers=2), tok)
 
 
 def test_tokenize_workers_auto(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections import Counter, deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -259,7 +260,11 @@ class _Batches:
         batch, future = self.in_flight.popleft()
         for _, held in batch:
             self._count[held] -= 1
-        return batch, future.result()
+        try:
+            return batch, future.result()
+        except BrokenProcessPool as e:
+            raise DataError("A tokenizing worker process died (killed, e.g. out of memory); set "
+                            "data.tokenize_workers=0 to tokenize in the run's own process, or fewer workers.") from e
 
     def pending(self, held: bool) -> int:
         """Conversations of one destination still in flight."""
