@@ -136,7 +136,8 @@ class DataConfig:
     cache_dir: str | None = _f(None, "Where tokenized datasets are cached. Empty = <out_dir>/../.cache.")
     tokenize_workers: int | None = _f(None, "Worker processes that tokenize chat data (a cache miss), in order, the "
                                             "result identical to 0 (in this process). Empty = auto: up to 8, one "
-                                            "core left free, for files of 16 MB or more on machines of 4+ cores.")
+                                            "core left free, for files of 16 MB or more on Linux machines of 4+ "
+                                            "cores.")
     synthetic_period: int = _f(8, "synthetic source: the stream repeats every this many tokens.")
     synthetic_samples: int = _f(256, "synthetic source: number of documents.")
     synthetic_min_len: int = _f(24, "synthetic source: shortest document, in tokens (lengths are uniform in "
