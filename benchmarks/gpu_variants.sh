@@ -108,7 +108,9 @@ val = [r for r in recs if r.get("split") == "val"]
 train = [r for r in recs if r.get("split", "train") == "train" and "step" in r]
 best = max(val, key=lambda r: r.get("tau_decoding", 0)) if val else {}
 steps = train[-1]["step"] if train else None
-print(f"{v}: yardstick tau {m[-1]['mean_tau']:.2f} speedup {m[-1]['speedup']:.2f}x | val as decoded "
+se = m[-1].get("mean_tau_se") if m else None
+se = "" if se is None else f" ± {se:.2f}"
+print(f"{v}: yardstick tau {m[-1]['mean_tau']:.2f}{se} speedup {m[-1]['speedup']:.2f}x | val as decoded "
       f"{best.get('tau_decoding', float('nan')):.2f} at step {best.get('step')} of {steps} | {m[-1]['verdict']}" if m
       else f"{v}: no measurement (see the log)")
 EOF
