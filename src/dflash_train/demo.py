@@ -246,14 +246,12 @@ def _clock(seconds: float) -> str:
 
 
 def format_demo_table(d: DemoResult) -> str:
-    from .inference.report import verdict_text
+    from .inference.report import tau_text, verdict_text
 
     rows = [("prompts (never trained on)", "tau", "speedup", "lossless (greedy)")]
     for name, s in d.evals.items():
-        se = s.get("mean_tau_se")
-        rows.append((f"{name}: {s['num_prompts']} x {s['new_tokens']}",
-                     _fmt(s["mean_tau"], ".2f") + ("" if se is None else f" ± {se:.2f}"),
-                     _fmt(s["speedup"], ".2f", "x"), verdict_text(s)))
+        rows.append((f"{name}: {s['num_prompts']} x {s['new_tokens']}", tau_text(s), _fmt(s["speedup"], ".2f", "x"),
+                     verdict_text(s)))
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     block = next(iter(d.evals.values()), {}).get("block_size", "?")
     lines = [f"dflash-train demo on {d.device}: SmolLM2-135M-Instruct + a DFlash drafter (B={block}), greedy"]

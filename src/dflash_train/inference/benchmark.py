@@ -26,6 +26,7 @@ then says `yes (20/32 identical, 12 diverge only at bf16 ties)`, and a real deco
 from __future__ import annotations
 
 import logging
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -117,8 +118,13 @@ class EvalReport:
         return [a for p in self.prompts for a in p.accept_lengths]
 
     @property
+    def taus(self) -> list[float]:
+        """Tau per prompt, leaving out a prompt done at its first token (it has no step)."""
+        return [p.tau for p in self.prompts if p.tau is not None]
+
+    @property
     def mean_tau(self) -> float | None:
-        taus = [p.tau for p in self.prompts if p.tau is not None]   # a prompt done at its first token has no step
+        taus = self.taus
         return sum(taus) / len(taus) if taus else None
 
     @property
@@ -126,11 +132,8 @@ class EvalReport:
         """The standard error of mean_tau over prompts: how far another set of prompts of the same kinds could move
         it (prompts differ far more than two drafters do on one prompt: compare drafters prompt by prompt,
         benchmarks/compare_evals.py). None below two prompts with a step."""
-        taus = [p.tau for p in self.prompts if p.tau is not None]
-        if len(taus) < 2:
-            return None
-        mean = sum(taus) / len(taus)
-        return (sum((t - mean) ** 2 for t in taus) / (len(taus) - 1) / len(taus)) ** 0.5
+        taus = self.taus
+        return statistics.stdev(taus) / len(taus) ** 0.5 if len(taus) > 1 else None
 
     @property
     def tau_estimate(self) -> float | None:
@@ -201,7 +204,8 @@ class EvalReport:
             "num_prompts": len(self.prompts), "block_size": self.block_size, "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens, "device": self.device, "dtype": self.dtype,
             "cuda_graphs": self.graphs,
-            "mean_tau": self.mean_tau, "mean_tau_se": self.mean_tau_se, "tau_estimate": self.tau_estimate, "tau_by_category": self.tau_by_category,
+            "mean_tau": self.mean_tau, "mean_tau_se": self.mean_tau_se, "tau_estimate": self.tau_estimate,
+            "tau_by_category": self.tau_by_category,
             "steps": len(self.steps),
             "tau_step_weighted": sum(self.steps) / len(self.steps) if self.steps else None,
             "accept_histogram": self.accept_histogram,

@@ -71,7 +71,7 @@ def measure_acceptance(cfg: Config, drafter_dir: str | Path, device, result=None
     from ..models.checkpoint import load_drafter
     from ..models.target import load_target, load_tokenizer
     from .benchmark import evaluate, stop_token_ids
-    from .report import verdict_text, write_report
+    from .report import tau_text, verdict_text, write_report
 
     n, new_tokens = n or cfg.train.final_eval_prompts, new_tokens or cfg.train.final_eval_new_tokens
     synthetic = cfg.data.source == "synthetic" and (spec or cfg.data.eval_prompts) == "heldout"
@@ -90,8 +90,8 @@ def measure_acceptance(cfg: Config, drafter_dir: str | Path, device, result=None
     write_report(report, out_dir / out_name)
     s = report.summary()
     rec = {"split": "measured", "step": result.steps if result is not None else None, "prompts": what,
-           "num_prompts": len(ids), "new_tokens": new_tokens, "mean_tau": s["mean_tau"], "mean_tau_se": s["mean_tau_se"],
-           "speedup": s["speedup"], "verdict": verdict_text(s)}
+           "num_prompts": len(ids), "new_tokens": new_tokens, "mean_tau": s["mean_tau"],
+           "mean_tau_se": s["mean_tau_se"], "speedup": s["speedup"], "verdict": verdict_text(s)}
     estimates = []
     if result is not None and result.best:
         rec["val_tau_est"] = result.best["value"]
@@ -101,9 +101,6 @@ def measure_acceptance(cfg: Config, drafter_dir: str | Path, device, result=None
         estimates.append(f"training estimate {result.history[-1]['tau_est']:.2f}")
     with open(out_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(rec) + "\n")
-    tau = "-" if s["mean_tau"] is None else f"{s['mean_tau']:.2f}"
-    if s["mean_tau_se"] is not None:
-        tau += f" ± {s['mean_tau_se']:.2f}"
-    log.info(f"measured tau {tau} on {len(ids)} {what} (speedup {s['speedup'] or 0:.2f}x, lossless "
+    log.info(f"measured tau {tau_text(s)} on {len(ids)} {what} (speedup {s['speedup'] or 0:.2f}x, lossless "
              f"{verdict_text(s)}){'; ' + ', '.join(estimates) if estimates else ''}; report in {out_dir / out_name}")
     return report

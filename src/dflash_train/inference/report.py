@@ -57,6 +57,13 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
+def tau_text(s: dict) -> str:
+    """An EvalReport summary -> its mean tau with the standard error over prompts, e.g. `3.52 ± 0.22` (`3.52`
+    without one: older reports, a single prompt; `-` without a step)."""
+    se = s.get("mean_tau_se")
+    return _fmt(s["mean_tau"], ".2f") + ("" if se is None or s["mean_tau"] is None else f" ± {se:.2f}")
+
+
 def verdict_text(s: dict) -> str:
     """An EvalReport summary (or eval.json's "summary") -> the lossless verdict in words, e.g.
     `yes (32/32 identical)`, `yes (44/80 identical, 36 diverge only at bf16 ties)`,
@@ -84,6 +91,7 @@ def format_summary(report) -> str:
     if margins:  # a top-2 logit margin near 0 at the divergence = a numerical tie, not a broken rule
         shown = ", ".join(f"{m:.3g}" for m in margins[:8]) + (", ..." if len(margins) > 8 else "")
         verdict += f"; target top-2 margins where the outputs part: {shown}"
+    tau = tau_text(s)
     rows = [
         ("", "plain", "speculative"),
         ("tokens", str(sum(len(p.baseline) for p in report.prompts)),
@@ -91,7 +99,7 @@ def format_summary(report) -> str:
         ("tokens/s", _fmt(s["baseline_tokens_per_s"], ".1f"), _fmt(s["speculative_tokens_per_s"], ".1f")),
         ("ms/token", _fmt(s["baseline_ms_per_token"], ".3f"), _fmt(s["speculative_ms_per_token"], ".3f")),
         ("speedup", "", _fmt(s["speedup"], ".2f") + "x"),
-        (f"mean tau (B={s['block_size']})", "", _fmt(s["mean_tau"], ".2f") + _se(s)),
+        (f"mean tau (B={s['block_size']})", "", tau + (" (standard error over prompts)" if "±" in tau else "")),
         ("tau estimate (acc@k)", "", _fmt(s["tau_estimate"], ".2f") + "  training's metric on the greedy outputs"),
         ("lossless", "", verdict),
     ]
@@ -101,9 +109,3 @@ def format_summary(report) -> str:
     head = (f"eval: {s['num_prompts']} prompts, max {s['max_new_tokens']} new tokens, T={s['temperature']:g}, "
             f"{s['device']}, {s['dtype']}, cuda graphs {'on' if s['cuda_graphs'] else 'off'}")
     return "\n".join([head] + [f"  {a:<{w0}}  {b:>12}  {c}" for a, b, c in rows])
-
-
-def _se(s: dict) -> str:
-    """'  ± 0.22 (standard error over prompts)', or '' without one (older reports, a single prompt)."""
-    se = s.get("mean_tau_se")
-    return "" if se is None else f"  ± {se:.2f} (standard error over prompts)"

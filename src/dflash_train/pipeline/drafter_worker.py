@@ -106,7 +106,7 @@ class DrafterWorker(Worker):
             optimizer.load_state_dict(copy.deepcopy(s.train_state["optimizer"]))
             scheduler.load_state_dict(s.train_state["scheduler"])
         update = Updater(params, optimizer, scheduler, cfg.grad_clip, cfg.nonfinite, announce=self.replica == 0,
-                         where=" on every replica")
+                         where=" on every replica", track_norms=self.replica == 0)
         # Its own tag -> its own code object -> its own compile cache and CUDA graphs (see training/step.py).
         step_fn = DrafterStep(drafter, s.embed_w, s.head_w, cfg, self.device, tag=str(self.replica))
         self.state = ReplicaState(drafter, params, optimizer, scheduler, update, step_fn)

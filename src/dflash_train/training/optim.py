@@ -111,7 +111,7 @@ class Updater:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer, scheduler, grad_clip: float, nonfinite: str,
-                 announce: bool = True, where: str = ""):
+                 announce: bool = True, where: str = "", track_norms: bool = True):
         self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
         self.grad_clip, self.nonfinite = grad_clip, nonfinite
         self.announce, self.where = announce, where  # log a warning per skip; " on every replica" etc.
@@ -120,8 +120,9 @@ class Updater:
         self.on_device = on_device and nonfinite == "skip"
         self._count = torch.zeros((), dtype=torch.float32, device=params[0].device) if self.on_device else None
         self._host_count = 0   # host mode: the count; device mode: the count at the last read
-        # The gradient norms since the last read (grad_norms): sum, max, finite steps, steps over grad_clip.
-        self._norms = torch.zeros(4, dtype=torch.float32, device=params[0].device)
+        # The gradient norms since the last read (grad_norms): sum, max, finite steps, steps over grad_clip; only
+        # where they are read (track_norms: the pipeline's other replicas see the same averaged gradients).
+        self._norms = torch.zeros(4, dtype=torch.float32, device=params[0].device) if track_norms else None
 
     def __call__(self, step: int) -> None:
         """Update after 1-based training step `step`."""
@@ -129,9 +130,11 @@ class Updater:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
-        self._record(norm)
+        finite = torch.isfinite(norm)
+        if self._norms is not None:
+            self._record(norm, finite)
         if self.on_device:
-            bad = (~torch.isfinite(norm)).to(torch.float32)
+            bad = (~finite).to(torch.float32)
             self.optimizer.found_inf = bad    # read by fused AdamW and MuonAdamW: skip the whole update when 1
             self.optimizer.step()
             self._count += bad
@@ -151,18 +154,23 @@ class Updater:
         # buffer, which a later replay may overwrite (see training/step.py). Zeroed in place instead.
         self.optimizer.zero_grad(set_to_none=False)
 
-    def _record(self, norm: torch.Tensor) -> None:
-        """Add this step's gradient norm (before clipping) to the window, on the device: no host sync."""
-        ok = torch.isfinite(norm)
-        value = torch.where(ok, norm.float(), 0.0)
-        over = value > self.grad_clip if self.grad_clip > 0 else torch.zeros_like(ok)
-        s = self._norms
-        s.copy_(torch.stack((s[0] + value, torch.maximum(s[1], value), s[2] + ok, s[3] + over)))
+    def _record(self, norm: torch.Tensor, finite: torch.Tensor) -> None:
+        """Add this step's gradient norm (before clipping) to the window, in place on the device: no host sync."""
+        value = torch.where(finite, norm.float(), 0.0)
+        total, peak, steps, over = self._norms.unbind()
+        total.add_(value)
+        torch.maximum(peak, value, out=peak)
+        steps.add_(finite)
+        if self.grad_clip > 0:
+            over.add_(value > self.grad_clip)
 
     def grad_norms(self) -> dict[str, float]:
         """The window's gradient norms before clipping, since the last call (a host sync: log steps only):
         grad_norm (the mean over its finite steps), grad_norm_max, and clipped (the share of its steps whose norm
-        train.grad_clip cut; absent when clipping is off). Empty when no finite step was recorded."""
+        train.grad_clip cut; absent when clipping is off). Empty when no finite step was recorded, or with
+        track_norms off."""
+        if self._norms is None:
+            return {}
         total, peak, steps, over = self._norms.tolist()
         self._norms.zero_()
         if not steps:

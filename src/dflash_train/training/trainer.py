@@ -101,7 +101,8 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
                         ckpt.reserve(drafter, optimizer, scheduler)
                 stop = budget.should_stop(step)
                 if logger.should_log(step) or stop:  # a time-budget stop logs its last window too (log, plots)
-                    logger.log(step, window.take(), scheduler.get_last_lr()[0], extra={"skipped": update.skipped(step), **update.grad_norms()})
+                    extra = {"skipped": update.skipped(step), **update.grad_norms()}
+                    logger.log(step, window.take(), scheduler.get_last_lr()[0], extra=extra)
                 if first:  # the log windows start after the compiling first step (MetricsLogger.start_window)
                     if cfg.train.compile_times:
                         log_compile_times()
