@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import random
+import tempfile
 
 import numpy as np
 import pytest
@@ -16,6 +18,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # warm-up child, CLI runs), whatever cache directory it uses. This takes the ISAs /proc/cpuinfo lists as buildable
 # instead (a compiler that could not build them fails the inductor tests loudly). Inherited by the subprocesses.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+# One compile cache for the whole suite, shared by every pytest-xdist worker and subprocess (inductor's FX graph and
+# AOT autograd caches write atomically): the tiny drafter step and target forwards that many tests
+# compile at the same shapes are compiled once per suite, not once per test (a run points inductor at
+# <out_dir>/../.cache/torch_compile unless TORCHINDUCTOR_CACHE_DIR is set: training/startup.py). Tests of a cold
+# start clear it for themselves (the no_env fixture below). Under the system's temp directory, like inductor's own
+# default, so a second suite run on the same machine starts warm too.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"dflash-train-tests-compile-cache-{getpass.getuser()}"))
 # Tiny models are launch-bound, and three pytest-xdist workers share the cores (pyproject.toml): a second intra-op
 # thread per test process only spins against the other workers (10x slower on a loaded 2-core box). One thread in
 # every test process, run alone (-k, -n 0) or in the suite alike; the pipeline still sets its own workers' counts.
@@ -45,6 +55,17 @@ def make_tiny_target(path, kind: str = "llama", seed: int = 0, **overrides):
     return str(path)
 
 
+def pytest_collection_finish(session):
+    """Everything the imports made (torch, transformers, the package: most of a worker's ~650k objects) frozen out
+    of the collector's reach, once per worker: each training run a test starts then skips its own collect-and-
+    freeze (training/heap.py leaves a caller's frozen heap alone), which walked this whole heap, 0.3-0.8 s of CPU
+    a run on the 2-core box, a hundred-odd runs a suite."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def pytest_collection_modifyitems(config, items):
     """The slow integration tests (marker `slow`: tens of seconds each) run first, the rest after them in file order.
     pytest-xdist hands tests out in collection order (pyproject.toml: --maxschedchunk 1, a worker holds at most two
@@ -61,6 +82,35 @@ def fixed_seed():
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def root_log_handlers():
+    """The root logger's handlers as they were before the test. cli.main (run in-process by some tests) points them
+    at sys.stdout, which is pytest's capture of that one test: left in place, a later test's log record in the same
+    worker goes to a closed file ("--- Logging error ---")."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for h in root.handlers[:]:
+        if h not in handlers:
+            root.removeHandler(h)
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
+
+
+@pytest.fixture
+def thawed_heap():
+    """The heap as a plain process has it (nothing frozen, pytest_collection_finish above), frozen again after."""
+    import gc
+
+    gc.unfreeze()
+    yield
+    gc.freeze()
 
 
 @pytest.fixture

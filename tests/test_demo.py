@@ -220,7 +220,7 @@ def test_time_budget_stops_the_pipeline_on_the_same_step(tiny_llama, tmp_path, r
     from dflash_train.pipeline.coordinator import train_pipeline
 
     cfg = load_config("tiny_cpu", [f"model.target={tiny_llama}", f"run.out_dir={tmp_path / 'run'}",
-                                   "train.max_steps=100000", "train.max_minutes=0.02",
+                                   "train.max_steps=100000", "train.max_minutes=0.02", "run.plots=true",
                                    f"pipeline.drafter_devices={['cpu'] * replicas}"])
     res = train_pipeline(cfg)
     assert 0 < res.steps < 100000                          # stopped by the clock, finished normally

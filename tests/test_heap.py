@@ -21,27 +21,35 @@ class _Node:
 
 @pytest.fixture(autouse=True)
 def _unfrozen():
-    gc.unfreeze()  # whatever froze before (nothing in this suite leaves it frozen) must not blur the counts
+    """A thawed heap for each test, frozen again afterwards if it was (conftest freezes the suite's imports)."""
+    was_frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
     enabled = gc.isenabled()
     gc.disable()   # only the collections a test asks for: an automatic one would change the counts
     yield
     gc.unfreeze()
+    if was_frozen:
+        gc.freeze()
     if enabled:
         gc.enable()
 
 
 def test_frozen_heap_collects_first_then_freezes_until_the_end():
     dead = _Node()
-    ref = weakref.ref(dead)
+    dead_ref = weakref.ref(dead)
     del dead
-    assert ref() is not None  # a cycle outlives its last name until a collection
+    assert dead_ref() is not None  # a cycle outlives its last name until a collection
+    alive = _Node()
+    alive_ref = weakref.ref(alive)
     with frozen_heap():
-        assert ref() is None, "the garbage cycle was frozen instead of collected"
-        frozen = gc.get_freeze_count()
-        assert frozen > 0
+        assert dead_ref() is None, "the garbage cycle was frozen instead of collected"
+        assert gc.get_freeze_count() > 0
+        del alive  # now garbage, but frozen: a collection inside must leave it where it is
         gc.collect()
-        assert gc.get_freeze_count() == frozen  # a collection inside leaves the frozen objects where they are
+        assert alive_ref() is not None, "a collection inside the frozen heap freed a frozen object"
     assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert alive_ref() is None  # unfrozen, it is collectable again
 
 
 def test_frozen_heap_unfreezes_when_the_body_fails():
@@ -49,6 +57,18 @@ def test_frozen_heap_unfreezes_when_the_body_fails():
         with frozen_heap():
             raise RuntimeError("boom")
     assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_the_caller_froze_is_left_frozen_and_uncollected():
+    dead = _Node()
+    ref = weakref.ref(dead)
+    gc.freeze()  # the caller's freeze, e.g. a service after its imports
+    frozen = gc.get_freeze_count()
+    del dead
+    with frozen_heap():
+        assert ref() is not None, "frozen_heap collected the caller's frozen heap"
+        assert gc.get_freeze_count() >= frozen - 1
+    assert gc.get_freeze_count() > 0, "frozen_heap undid the caller's freeze"
 
 
 def test_gc_watch_counts_collections_per_window_and_stops():

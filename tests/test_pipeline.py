@@ -40,7 +40,7 @@ def pipeline_threads() -> list[str]:
 
 
 
-def test_two_replicas_stay_identical_every_step(tiny_llama, tmp_path):
+def test_two_replicas_stay_identical_every_step(tiny_llama, tmp_path, thawed_heap):
     res = train_pipeline(cfg_for(tiny_llama, tmp_path / "run", drafters=("cpu", "cpu"), **{"train.log_every": 4}))
     assert res.steps == 12 and len(res.replica_checksums) == 12
     for step, (c0, c1) in enumerate(res.replica_checksums, start=1):

@@ -117,6 +117,13 @@ def test_out_dir_holding_a_different_run_is_refused(tiny_llama, tmp_path):
         train_single_device(other)
 
 
+def test_run_plots_switch_draws_training_png_or_nothing(tiny_llama, tmp_path):
+    train_single_device(tiny_cfg(tiny_llama, tmp_path / "off", **{"train.max_steps": 2}))  # tiny_cpu: plots off
+    assert not (tmp_path / "off" / "training.png").exists()
+    train_single_device(tiny_cfg(tiny_llama, tmp_path / "on", **{"train.max_steps": 2, "run.plots": "true"}))
+    assert (tmp_path / "on" / "training.png").stat().st_size > 10_000
+
+
 def test_run_written_before_a_config_field_existed_still_resumes(tmp_path):
     """A run saved by an older version (its run_config.yaml lacks a field added since) is the same run when the
     new field sits at its default, and a different one when it does not (found resuming a GPU run)."""

@@ -453,6 +453,8 @@ class RunConfig:
                               "refuses an out_dir that already holds a trained run.")
     overwrite: bool = _f(False, "Start a new run in an out_dir that holds one: the old run is first moved aside to "
                                 "<out_dir>.old-<UTC time> (nothing is deleted).")
+    plots: bool = _f(True, "Write <out_dir>/training.png when training ends (loss, acc@k, tau estimates; matplotlib, "
+                           "about a second of CPU).")
 
     def __post_init__(self):
         if self.resume not in ("never", "auto"):

@@ -212,7 +212,8 @@ class _Pipeline:
             self._save(d0)
             self.validator.mark_checkpoint(self.ckpt, d0.steps_done)
             final, best = self.validator.finish(save_drafter(d0.state.drafter, final))
-            write_training_plots(self.run_setup.out_dir, self.logger.history, self.logger.val_history)
+            if self.cfg.run.plots:
+                write_training_plots(self.run_setup.out_dir, self.logger.history, self.logger.val_history)
             log.info(self.validator.summary(d0.steps_done, self.budget.elapsed_s))
         ranks = f" x {self.peers.world} processes" if self.peers.enabled else ""
         log.info(f"done: {d0.steps_done} steps on {self.n} replica(s){ranks}; servable drafter in {final}")

@@ -10,9 +10,9 @@ last one, so a run sees such a pause rarely and at no particular step: the GPU d
 
 `frozen_heap` collects once and moves every surviving object (the dataset, the models, the compiled graphs) into the
 permanent generation for the training loop, so later collections walk only what training allocates; it unfreezes on
-the way out (a long-lived process, e.g. the test suite, must not keep each run's objects frozen). `GcWatch` times each
-collection through `gc.callbacks`, so a log window reports the collector's share of it (`gc_s`) instead of leaving a
-slow window unexplained.
+the way out (a long-lived process, e.g. the test suite, must not keep each run's objects frozen). A heap the caller
+froze itself it leaves alone. `GcWatch` times each collection through `gc.callbacks`, so a log window reports the
+collector's share of it (`gc_s`) instead of leaving a slow window unexplained.
 """
 
 from __future__ import annotations
@@ -30,7 +30,15 @@ log = logging.getLogger("dflash_train")
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """gc.collect() then gc.freeze() for the body; gc.unfreeze() after it. Garbage cycles among the frozen objects
-    are not collected before the body ends (plain reference counting still frees everything else)."""
+    are not collected before the body ends (plain reference counting still frees everything else).
+
+    A heap the caller froze already (a test suite after its imports, a service that embeds training) is the
+    caller's policy: left as it is, with no collection and, above all, no unfreeze at the end, which would undo
+    the caller's freeze."""
+    if frozen := gc.get_freeze_count():
+        log.info(f"heap: {frozen:,} objects frozen already by the caller; left as they are")
+        yield
+        return
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()

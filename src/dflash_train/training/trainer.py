@@ -119,7 +119,8 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
         final, best = validator.finish(save_drafter(drafter, setup.out_dir / "drafter"))
     finally:
         logger.close()
-    write_training_plots(setup.out_dir, logger.history, logger.val_history)
+    if cfg.run.plots:
+        write_training_plots(setup.out_dir, logger.history, logger.val_history)
     log.info(validator.summary(step, budget.elapsed_s))
     log.info(f"done: {step} steps; servable drafter in {final}")
     return TrainResult(setup.out_dir, final, step, logger.history, update.skipped(step), logger.val_history, best,
