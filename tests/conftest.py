@@ -19,11 +19,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # instead (a compiler that could not build them fails the inductor tests loudly). Inherited by the subprocesses.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 # One compile cache for the whole suite, shared by every pytest-xdist worker and subprocess (inductor's FX graph and
-# AOT autograd caches write atomically): the tiny drafter step and target forwards that many tests
-# compile at the same shapes are compiled once per suite, not once per test (a run points inductor at
-# <out_dir>/../.cache/torch_compile unless TORCHINDUCTOR_CACHE_DIR is set: training/startup.py). Tests of a cold
-# start clear it for themselves (the no_env fixture below). Under the system's temp directory, like inductor's own
-# default, so a second suite run on the same machine starts warm too.
+# AOT autograd caches write atomically): the tiny drafter steps and target forwards that many tests compile at the
+# same shapes compile once a suite, not once a test (a run points inductor at <out_dir>/../.cache/torch_compile
+# unless TORCHINDUCTOR_CACHE_DIR is set: training/startup.py). Tests of a cold start clear it for themselves (the
+# no_env fixture below). Under the system's temp directory, like inductor's own default, so a second suite run on
+# the same machine starts warm too.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                       os.path.join(tempfile.gettempdir(), f"dflash-train-tests-compile-cache-{getpass.getuser()}"))
 # Tiny models are launch-bound, and three pytest-xdist workers share the cores (pyproject.toml): a second intra-op
