@@ -20,16 +20,12 @@ class _Node:
 
 
 @pytest.fixture(autouse=True)
-def _unfrozen():
-    """A thawed heap for each test, frozen again afterwards if it was (conftest freezes the suite's imports)."""
-    was_frozen = gc.get_freeze_count() > 0
-    gc.unfreeze()
+def _unfrozen(thawed_heap):
+    """A thawed heap for each test (conftest's thawed_heap freezes it again after this undoes a test's freeze)."""
     enabled = gc.isenabled()
     gc.disable()   # only the collections a test asks for: an automatic one would change the counts
     yield
     gc.unfreeze()
-    if was_frozen:
-        gc.freeze()
     if enabled:
         gc.enable()
 
