@@ -57,13 +57,16 @@ def make_tiny_target(path, kind: str = "llama", seed: int = 0, **overrides):
 
 def pytest_collection_finish(session):
     """Everything the imports made (torch, transformers, the package: most of a worker's ~650k objects) frozen out
-    of the collector's reach, once per worker: each training run a test starts then skips its own collect-and-
-    freeze (training/heap.py leaves a caller's frozen heap alone), which walked this whole heap, 0.3-0.8 s of CPU
+    of the collector's reach, once per worker, and the collector declared the suite's (training/heap.py): each
+    training run a test starts then skips its own collect-and-freeze, which walked this whole heap, 0.3-0.8 s of CPU
     a run on the 2-core box, a hundred-odd runs a suite."""
     import gc
 
+    from dflash_train.training.heap import leave_gc_to_caller
+
     gc.collect()
     gc.freeze()
+    leave_gc_to_caller()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -105,12 +108,17 @@ def root_log_handlers():
 
 @pytest.fixture
 def thawed_heap():
-    """The heap as a plain process has it (nothing frozen, pytest_collection_finish above), frozen again after."""
+    """The heap as a plain process has it (nothing frozen, the collector frozen_heap's: pytest_collection_finish
+    above undone), frozen and the suite's again after."""
     import gc
 
+    from dflash_train.training.heap import leave_gc_to_caller
+
     gc.unfreeze()
+    leave_gc_to_caller(False)
     yield
     gc.freeze()
+    leave_gc_to_caller()
 
 
 @pytest.fixture

@@ -10,8 +10,11 @@ last one, so a run sees such a pause rarely and at no particular step: the GPU d
 
 `frozen_heap` collects once and moves every surviving object (the dataset, the models, the compiled graphs) into the
 permanent generation for the training loop, so later collections walk only what training allocates; it unfreezes on
-the way out (a long-lived process, e.g. the test suite, must not keep each run's objects frozen). A heap the caller
-froze itself it leaves alone. `GcWatch` times each collection through `gc.callbacks`, so a log window reports the
+the way out (a long-lived process must not keep each run's objects frozen). A process that manages the collector
+itself (the test suite freezes its imports once per worker) says so with `leave_gc_to_caller()`, and the heap is then
+left as it is. A freeze found on the way in is no such statement: the GPU demo of 2026-12-03 (demo-j) met 375
+objects frozen by something before training (not by this package) and, under the earlier rule that read any freeze
+as the caller's policy, trained with its 1 M objects unfrozen. `GcWatch` times each collection through `gc.callbacks`, so a log window reports the
 collector's share of it (`gc_s`) instead of leaving a slow window unexplained.
 """
 
@@ -26,17 +29,27 @@ from typing import Iterator
 
 log = logging.getLogger("dflash_train")
 
+_caller_owns_gc = False
+
+
+def leave_gc_to_caller(leave: bool = True) -> None:
+    """Declare that this process manages the garbage collector itself (it froze its heap, say): frozen_heap then
+    neither collects, nor freezes, nor unfreezes. leave=False hands the collector back to frozen_heap."""
+    global _caller_owns_gc
+    _caller_owns_gc = leave
+
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
     """gc.collect() then gc.freeze() for the body; gc.unfreeze() after it. Garbage cycles among the frozen objects
-    are not collected before the body ends (plain reference counting still frees everything else).
+    are not collected before the body ends (plain reference counting still frees everything else). Objects frozen
+    before it (by a library, say) are unfrozen with the rest at the end: freezing only ever saves the collector
+    work, so that changes no result.
 
-    A heap the caller froze already (a test suite after its imports, a service that embeds training) is the
-    caller's policy: left as it is, with no collection and, above all, no unfreeze at the end, which would undo
-    the caller's freeze."""
-    if frozen := gc.get_freeze_count():
-        log.info(f"heap: {frozen:,} objects frozen already by the caller; left as they are")
+    After leave_gc_to_caller(), the caller's policy holds: no collection, no freeze and, above all, no unfreeze at
+    the end, which would undo the caller's own freeze."""
+    if _caller_owns_gc:
+        log.info(f"heap: left to the caller ({gc.get_freeze_count():,} objects frozen)")
         yield
         return
     t0 = time.perf_counter()
