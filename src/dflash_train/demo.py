@@ -57,9 +57,9 @@ EVAL_PLAN = {"cpu": [("yardstick", 3, 32), ("heldout", 3, 32)],
 USER_PROMPTS_NEW_TOKENS = {"cpu": 32, "cuda": 256}
 SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "held out from the training data"}
 # Printed by the CPU demo: what the same command reaches on a GPU (docs/BENCHMARKS.md, "The GPU demo").
-GPU_REFERENCE = ("On one H200 (2026-12-03), `dflash-train demo --device cuda` measured tau 3.52 (2.19x) on the "
-                 "yardstick, lossless, 18:24 after its start with its data regenerated (3.61 on held-out ShareGPT "
-                 "the run before) (docs/BENCHMARKS.md, \"The GPU demo\").")
+GPU_REFERENCE = ("On one H200 (2026-12-03), `dflash-train demo --device cuda` measured tau 3.55 (2.22x) on the "
+                 "yardstick and 3.62 (2.33x) on held-out ShareGPT, lossless, in 19:10 with its data regenerated "
+                 "(docs/BENCHMARKS.md, \"The GPU demo\").")
 HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf"
 WARMUP_WAIT_S = 240  # after the regeneration, at most this long for the compile warm-up (training/warmup.py)
 
