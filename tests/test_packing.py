@@ -1,4 +1,5 @@
-"""The batch schedule: epochs packed ahead on a side thread, batch for batch what packing in place gives."""
+"""The batch schedule: epochs planned ahead on a side thread, rows built as they are consumed, batch for batch what
+packing in place gives."""
 
 from __future__ import annotations
 
@@ -36,6 +37,33 @@ def test_epochs_packed_ahead_give_the_batches_of_packing_in_place():
     next(it)
     it.close()  # the loader stopping mid-epoch: closing waits for the epoch being packed, then no thread is left
     assert not [t.name for t in threading.enumerate() if t.name.startswith("dflash-pack")]
+
+
+def test_rows_are_built_one_at_a_time_by_the_consumer_not_by_the_side_thread(monkeypatch):
+    """The side thread only plans an epoch (lengths); a row's tensors are built when its first batch is made, in the
+    consuming thread, once for all of its repeats (train.steps_per_row): an epoch boundary holds no burst of
+    Python work that would slow the pipeline's threads (the GIL)."""
+    from dflash_train.data import packing
+    from dflash_train.data.packing import BatchSchedule
+    from dflash_train.data.synthetic import synthetic_samples
+
+    built = []
+    real_make_row = packing.make_row
+
+    def counting_make_row(*args, **kwargs):
+        built.append(threading.current_thread().name)
+        return real_make_row(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "make_row", counting_make_row)
+    samples = synthetic_samples(50, period=8, seed=0, max_len=96)
+    schedule = BatchSchedule(samples, 256, 16, seed=3, max_batches=70, repeats=2)
+    assert schedule.rows_per_epoch > 5
+    it = iter(schedule.iter_from(0))
+    first = [next(it) for _ in range(6)]  # three rows, two batches each
+    assert [b.index for b in first] == list(range(6))
+    assert built == [threading.current_thread().name] * 3
+    assert first[0].input_ids is first[1].input_ids and first[0].input_ids is not first[2].input_ids
+    it.close()
 
 
 def test_a_wait_for_an_epoch_being_packed_calls_back_and_can_stop(monkeypatch):

@@ -109,29 +109,40 @@ class FlatSamples:
         return len(self.lens)
 
 
-def pack_samples(samples: Sequence[Sample] | FlatSamples, token_budget: int, pad_id: int = 0,
-                 order: Sequence[int] | None = None) -> list[PackedRow]:
-    """Greedy packing in `order` (default: as given): documents fill a row until the next one does not fit, then a
-    new row starts. Documents longer than the budget are truncated to it. The last, partial row is padded."""
-    flat = samples if isinstance(samples, FlatSamples) else FlatSamples(samples)
-    rows: list[PackedRow] = []
-    cur: list[tuple[int, int]] = []  # (start in the flat arrays, length) of the row's documents
+RowPlan = list[tuple[int, int]]  # one row's documents: (start in FlatSamples' arrays, length), in row order
+
+
+def plan_rows(flat: FlatSamples, token_budget: int, order: Sequence[int] | None = None) -> list[RowPlan]:
+    """Greedy packing in `order` (default: as given), decided on lengths alone: documents fill a row until the next
+    one does not fit, then a new row starts. Documents longer than the budget are truncated to it. No token is
+    copied here (make_row does that, a row at a time), so planning an epoch of 76k documents takes milliseconds."""
+    lens, starts = flat.lens.tolist(), flat.starts.tolist()
+    plans: list[RowPlan] = []
+    cur: RowPlan = []
     used = 0
-    for i in (range(len(flat)) if order is None else order):
-        n = min(int(flat.lens[i]), token_budget)
+    for i in (range(len(lens)) if order is None else order):
+        n = min(lens[i], token_budget)
         if n == 0:
             continue
         if used + n > token_budget:
-            rows.append(_make_row(flat, cur, token_budget, pad_id))
+            plans.append(cur)
             cur, used = [], 0
-        cur.append((int(flat.starts[i]), n))
+        cur.append((starts[i], n))
         used += n
     if cur:
-        rows.append(_make_row(flat, cur, token_budget, pad_id))
-    return rows
+        plans.append(cur)
+    return plans
 
 
-def _make_row(flat: FlatSamples, docs: list[tuple[int, int]], token_budget: int, pad_id: int) -> PackedRow:
+def pack_samples(samples: Sequence[Sample] | FlatSamples, token_budget: int, pad_id: int = 0,
+                 order: Sequence[int] | None = None) -> list[PackedRow]:
+    """plan_rows, every row built (make_row). The last, partial row is padded."""
+    flat = samples if isinstance(samples, FlatSamples) else FlatSamples(samples)
+    return [make_row(flat, plan, token_budget, pad_id) for plan in plan_rows(flat, token_budget, order)]
+
+
+def make_row(flat: FlatSamples, docs: RowPlan, token_budget: int, pad_id: int) -> PackedRow:
+    """One planned row's tensors: its documents' tokens back to back, then padding to token_budget."""
     lens = np.array([n for _, n in docs] + [token_budget - sum(n for _, n in docs)], dtype=np.int64)  # last: pad
     pad = int(lens[-1])
     ids = np.concatenate([flat.ids[s:s + n] for s, n in docs] + [np.full(pad, pad_id, dtype=np.int64)])
@@ -143,12 +154,18 @@ def _make_row(flat: FlatSamples, docs: list[tuple[int, int]], token_budget: int,
     return PackedRow(torch.from_numpy(ids), torch.from_numpy(pos), torch.from_numpy(doc), torch.from_numpy(mask))
 
 
+def epoch_plan(flat: FlatSamples, token_budget: int, epoch: int, seed: int) -> list[RowPlan]:
+    """The rows of one epoch, planned: documents shuffled with (seed, epoch), then plan_rows. Deterministic."""
+    order = list(range(len(flat)))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return plan_rows(flat, token_budget, order)
+
+
 def epoch_rows(samples: Sequence[Sample] | FlatSamples, token_budget: int, epoch: int, seed: int,
                pad_id: int = 0) -> list[PackedRow]:
-    """The rows of one epoch: documents shuffled with (seed, epoch), then packed. Deterministic."""
-    order = list(range(len(samples)))
-    random.Random(f"{seed}:{epoch}").shuffle(order)
-    return pack_samples(samples, token_budget, pad_id, order)
+    """The rows of one epoch, built: epoch_plan, then make_row for each."""
+    flat = samples if isinstance(samples, FlatSamples) else FlatSamples(samples)
+    return [make_row(flat, plan, token_budget, pad_id) for plan in epoch_plan(flat, token_budget, epoch, seed)]
 
 
 def make_batch(row: PackedRow, num_anchors: int, seed: int, index: int, epoch: int = 0) -> TrainBatch:
@@ -197,39 +214,45 @@ class BatchSchedule:
         """Batches `start`, `start + 1`, ...; with `keep`, only those whose index it accepts are built (a process's
         shard of a multi-process run: rows are still packed per epoch, but anchors are sampled for its own only).
 
-        Every epoch is shuffled and packed on a side thread, the next one while this one is consumed: packing a
-        whole epoch takes seconds for a large dataset, and done at the boundary it stalled every stage downstream
-        for as long (the queues between the stages hold a few steps). epoch_rows is a pure function of its
-        arguments, so the batches are the same either way. waiting: called every PACK_POLL_S while an epoch is
-        still being packed (the loader's heartbeat and stop check: a slow pack is not a stalled loader; packing is
-        finite work over a list, so waiting for it counts as progress)."""
+        Every epoch is shuffled and planned on a side thread, the next one while this one is consumed, and each row
+        is built (make_row: its tokens copied into tensors) only when its first batch is made. Building a whole
+        epoch's rows at once took 0.7-1.7 s of Python on the 2-core box for the GPU demo's 76k conversations, and
+        while it held the GIL every pipeline thread slowed: the demo of 2026-12-03 (demo-j) read 3-11% slow log
+        windows at five of its eight epoch boundaries. A plan is lengths only (tens of milliseconds); a row costs
+        ~0.3 ms, spread over the steps. epoch_plan is a pure function of its arguments, so the batches are the same
+        either way. waiting: called every PACK_POLL_S while an epoch is still being planned (the loader's heartbeat
+        and stop check: a slow plan is not a stalled loader; planning is finite work over a list, so waiting for it
+        counts as progress)."""
         index, epoch = 0, 0
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-pack")
-        ahead = pool.submit(self._epoch, 0)  # the next epoch's rows, being packed
+        ahead = pool.submit(self._epoch, 0)  # the next epoch's plan, being made
         try:
             while index < self.max_batches:
-                rows = wait_for_result(ahead, waiting)
-                batches = len(rows) * self.repeats
+                plans = wait_for_result(ahead, waiting)
+                batches = len(plans) * self.repeats
                 ahead = pool.submit(self._epoch, epoch + 1) if index + batches < self.max_batches else None
                 if index + batches <= start:  # whole epoch before the resume point: skip without building batches
                     index += batches
                     epoch += 1
                     continue
-                for row in rows:
+                for plan in plans:
+                    row = None  # built for the row's first batch this process keeps, shared by its repeats
                     for _ in range(self.repeats):
                         if index >= self.max_batches:
                             return
                         if index >= start and (keep is None or keep(index)):
+                            if row is None:
+                                row = make_row(self._flat, plan, self.token_budget, self.pad_id)
                             yield make_batch(row, self.num_anchors, self.seed, index, epoch)
                         index += 1
                 epoch += 1
-        finally:  # a closed iterator leaves no thread behind: it waits for an epoch being packed (bounded work)
+        finally:  # a closed iterator leaves no thread behind: it waits for an epoch being planned (bounded work)
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _epoch(self, epoch: int) -> list[PackedRow]:
-        if self._flat is None:  # once: every epoch packs from the same flat arrays
+    def _epoch(self, epoch: int) -> list[RowPlan]:
+        if self._flat is None:  # once: every epoch plans from the same flat arrays
             self._flat = FlatSamples(self.samples)
-        return epoch_rows(self._flat, self.token_budget, epoch, self.seed, self.pad_id)
+        return epoch_plan(self._flat, self.token_budget, epoch, self.seed)
 
     def __iter__(self):
         return iter(self.iter_from(0))
