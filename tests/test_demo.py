@@ -221,11 +221,14 @@ def test_time_budget_stops_the_pipeline_on_the_same_step(tiny_llama, tmp_path, r
 
     cfg = load_config("tiny_cpu", [f"model.target={tiny_llama}", f"run.out_dir={tmp_path / 'run'}",
                                    "train.max_steps=100000", "train.max_minutes=0.02", "run.plots=true",
-                                   f"pipeline.drafter_devices={['cpu'] * replicas}"])
+                                   "train.log_every=1", f"pipeline.drafter_devices={['cpu'] * replicas}"])
     res = train_pipeline(cfg)
     assert 0 < res.steps < 100000                          # stopped by the clock, finished normally
     assert all(len(set(c)) == 1 for c in res.replica_checksums)  # replicas identical at every step
-    assert (res.drafter_dir / "model.safetensors").is_file() and (tmp_path / "run" / "training.png").is_file()
+    assert (res.drafter_dir / "model.safetensors").is_file()
+    # plots whenever a window was logged: every step after the first, but a busy machine may stop the run right
+    # after its first step (its window is start-up's, never logged)
+    assert (tmp_path / "run" / "training.png").is_file() == bool(res.history)
     state = torch.load(tmp_path / "run" / "checkpoints" / f"step_{res.steps:08d}" / "training_state.pt",
                        weights_only=False)
     assert state["scheduler"]["last_epoch"] == res.steps   # the schedule kept its configured length
@@ -264,17 +267,17 @@ def test_demo_gpu_settings_are_a_valid_config(chat_target, tmp_path):
 def test_the_gpu_demo_fits_its_training_into_twenty_minutes():
     """Training gets what the data step leaves of the demo's 20 minutes: the configured 10.5 minutes after the data
     step of the H200 runs (313 s in demo-j), less after a slow one, so that what follows still ends in time."""
-    from dflash_train.demo import (BEFORE_FIRST_STEP_S, EVALUATION_S, MIN_TRAINING_MINUTES, WALL_TARGET_S,
-                                   fitted_training_minutes)
+    from dflash_train.demo import BEFORE_FIRST_STEP_S, DEMO_MINUTES, EVALUATION_S, MIN_TRAINING_MINUTES
+    from dflash_train.demo import fitted_training_minutes as fitted
 
-    assert WALL_TARGET_S <= 20 * 60
-    assert fitted_training_minutes(10.5, 313.0) == 10.5
-    for elapsed in (400.0, 500.0, 700.0):
-        fitted = fitted_training_minutes(10.5, elapsed)
-        assert fitted < 10.5
-        assert elapsed + BEFORE_FIRST_STEP_S + 60 * fitted + EVALUATION_S <= WALL_TARGET_S + 1  # rounding to 0.01 min
-    assert fitted_training_minutes(10.5, 400.0) > fitted_training_minutes(10.5, 500.0)
-    assert fitted_training_minutes(10.5, 1200.0) == MIN_TRAINING_MINUTES  # past the target: a short run, not none
+    assert DEMO_MINUTES <= 20
+    assert fitted(10.5, 313.0) == 10.5
+    for spent in (400.0, 500.0, 700.0):  # seconds before training (arithmetic on constants: no clock is read)
+        assert fitted(10.5, spent) < 10.5
+        demo_end_min = (spent + BEFORE_FIRST_STEP_S + EVALUATION_S) / 60 + fitted(10.5, spent)
+        assert demo_end_min <= DEMO_MINUTES + 0.01  # training minutes are rounded to 0.01
+    assert fitted(10.5, 400.0) > fitted(10.5, 500.0)
+    assert fitted(10.5, 1200.0) == MIN_TRAINING_MINUTES  # past the target: a short run, not none
 
 
 def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys, monkeypatch):

@@ -180,3 +180,56 @@ def test_steps_per_row_repeats_each_row_with_its_own_anchors_from_any_start():
             assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
     with pytest.raises(ValueError, match="repeats must be at least 1"):
         BatchSchedule(samples, 256, 16, seed=3, max_batches=1, repeats=0)
+
+
+def test_fixed_rows_train_epoch_zeros_rows_in_a_fresh_order_and_name_them_alike():
+    """train.feature_cache_gb: every epoch trains epoch 0's rows (the schedule without fixed rows gives the same
+    epoch 0), shuffled per epoch; row_of names a batch's row by its place in epoch 0, so batches that row_of calls
+    the same hold the same tokens; a resumed schedule gives the same batches."""
+    from dflash_train.data.packing import BatchSchedule
+    from dflash_train.data.synthetic import synthetic_samples
+
+    samples = synthetic_samples(40, period=8, seed=0, max_len=96)
+    plain = BatchSchedule(samples, 256, 16, seed=3, max_batches=1)
+    fixed = BatchSchedule(samples, 256, 16, seed=3, max_batches=70, fixed_rows=True, repeats=2)
+    n = fixed.rows_per_epoch
+    assert n == plain.rows_per_epoch and 70 > 2 * 2 * n  # more than two epochs of two batches a row
+    batches = list(fixed.iter_from(0))
+    first = list(plain.iter_from(0))[0]
+    assert torch.equal(batches[0].input_ids, first.input_ids)  # epoch 0 as packed without fixed rows
+    tokens_of = {}
+    for b in batches:
+        row = fixed.row_of(b.index)
+        assert 0 <= row < n
+        if row in tokens_of:
+            assert torch.equal(tokens_of[row], b.input_ids), f"row {row} changed its tokens"
+        tokens_of[row] = b.input_ids
+    per_epoch = [[fixed.row_of(i) for i in range(e * 2 * n, (e + 1) * 2 * n, 2)] for e in range(2)]
+    assert per_epoch[0] == list(range(n)) and sorted(per_epoch[1]) == list(range(n)) and per_epoch[1] != per_epoch[0]
+    assert len({b.anchors.tolist().__str__() for b in batches if fixed.row_of(b.index) == 0}) > 1  # fresh anchors
+    resumed = list(BatchSchedule(samples, 256, 16, seed=3, max_batches=70, fixed_rows=True,
+                                 repeats=2).iter_from(33))
+    for a, b in zip(resumed, batches[33:]):
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
+
+
+def test_row_features_keep_the_first_rows_that_fit_and_serve_them_again():
+    """RowFeatures with a byte budget: each row's features are computed once while the budget holds them, the rows
+    beyond it every time they come back; the last row is always reused by its consecutive batches."""
+    from dflash_train.models.target import RowFeatures
+
+    row_bytes = 4 * 6 * 4  # a [4, 6] float32 tensor
+    rows = RowFeatures(lambda index: index // 2 % 3, budget_bytes=2 * row_bytes)  # 3 rows, 2 kept; 2 batches a row
+    calls = []
+
+    def compute(row):
+        calls.append(row)
+        return torch.full((4, 6), float(row))
+
+    for index in range(18):  # three passes over the three rows
+        feats = rows(index, lambda: compute(index // 2 % 3))
+        assert torch.equal(feats, torch.full((4, 6), float(index // 2 % 3)))
+    assert rows.capacity == 2 and sorted(rows.kept) == [0, 1]
+    assert calls == [0, 1, 2, 2, 2]  # rows 0 and 1 once, row 2 once a pass
+    assert rows.computed == 5 and rows.served == 4  # rows 0 and 1 in passes two and three
+    assert "kept 2 rows" in rows.summary()

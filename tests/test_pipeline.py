@@ -132,6 +132,31 @@ def test_steps_per_row_runs_the_target_once_a_row_and_equals_the_single_device_t
         train_pipeline(cfg_for(tiny_llama, tmp_path / "two", drafters=("cpu", "cpu"), **k2))
 
 
+def test_feature_cache_runs_the_target_once_a_row_and_trains_the_same_steps(tiny_llama, tmp_path):
+    """train.feature_cache_gb: the rows kept from the first epoch cost no target forward in the later ones, and the
+    training is step for step that of the same fixed rows with nothing kept (a budget below one row), and of the
+    single-device trainer with the cache."""
+    small = {"data.synthetic_samples": 12}
+    kept = train_pipeline(cfg_for(tiny_llama, tmp_path / "kept", **small, **{"train.feature_cache_gb": 1}))
+    rows = kept.data["rows_per_epoch"]
+    assert 12 >= 2 * rows, "the test needs two epochs or more"
+    assert kept.target_forwards == [rows]
+    assert f"target0: feature cache kept {rows} rows" in (tmp_path / "kept" / "run.log").read_text()
+    none = train_pipeline(cfg_for(tiny_llama, tmp_path / "none", **small, **{"train.feature_cache_gb": 1e-12}))
+    assert none.target_forwards == [12]
+    assert [{k: h[k] for k in METRICS} for h in kept.history] == [{k: h[k] for k in METRICS} for h in none.history]
+    assert_same_weights(kept.drafter_dir, none.drafter_dir)
+    old = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
+    try:
+        ref = train_single_device(cfg_for(tiny_llama, tmp_path / "ref", **small, **{"train.feature_cache_gb": 1}))
+    finally:
+        torch.set_num_threads(old)
+    assert [{k: h[k] for k in METRICS} for h in kept.history] == [{k: h[k] for k in METRICS} for h in ref.history]
+    with pytest.raises(ConfigError, match="train.feature_cache_gb must be 0"):
+        cfg_for(tiny_llama, tmp_path / "bad", **{"train.feature_cache_gb": -1})
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_resume_after_a_crash_is_exact(optimizer, tiny_llama, tmp_path, monkeypatch):
     opt = {"train.optimizer": optimizer}

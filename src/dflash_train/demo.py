@@ -52,18 +52,18 @@ GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenera
                  "model.target_attention=flex",
                  "model.target_graphs=true", "model.target_compile=default"]
 # The GPU demo's promise is the whole command in 20 minutes on one H200. Training gets what the data step leaves:
-# WALL_TARGET_S minus the time so far and what still follows the training budget (demo-j, 2026-12-03: 63 s from the
+# DEMO_MINUTES minus the time so far and what still follows the training budget (demo-j, 2026-12-03: 63 s from the
 # regeneration's end to the first step, 143 s of evaluation). On an H200 that leaves more than train.max_minutes;
 # where the regeneration runs slower, the training is cut instead of the promise.
-WALL_TARGET_S = 19.75 * 60
+DEMO_MINUTES = 19.75
 BEFORE_FIRST_STEP_S, EVALUATION_S = 75.0, 150.0
 MIN_TRAINING_MINUTES = 1.0
 
 
 def fitted_training_minutes(configured: float, elapsed_s: float) -> float:
     """train.max_minutes for a GPU demo that has spent elapsed_s so far: the configured budget, or less when the
-    rest of the run would otherwise end past WALL_TARGET_S (never under MIN_TRAINING_MINUTES)."""
-    left_s = WALL_TARGET_S - elapsed_s - BEFORE_FIRST_STEP_S - EVALUATION_S
+    rest of the run would otherwise end past DEMO_MINUTES (never under MIN_TRAINING_MINUTES)."""
+    left_s = 60 * DEMO_MINUTES - elapsed_s - BEFORE_FIRST_STEP_S - EVALUATION_S
     return max(MIN_TRAINING_MINUTES, min(configured, round(left_s / 60, 2)))
 
 
@@ -205,7 +205,7 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
         if fitted < cfg.train.max_minutes:
             log.warning(f"demo: {time.perf_counter() - t_start:.0f} s spent before training; training "
                         f"{fitted:.2f} instead of {cfg.train.max_minutes} minutes so that the demo ends within "
-                        f"{WALL_TARGET_S / 60:.2f} (--minutes sets the training budget and lifts this limit)")
+                        f"{DEMO_MINUTES} (--minutes sets the training budget and lifts this limit)")
             cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_minutes=fitted))
 
     t0 = time.perf_counter()

@@ -87,3 +87,16 @@ def resolve_config(cfg: Config, single: bool = False) -> Config:
     pipeline = dataclasses.replace(cfg.pipeline, target_devices=[str(d) for d in targets],
                                    drafter_devices=[str(d) for d in drafters])
     return dataclasses.replace(cfg, model=model, train=train, pipeline=pipeline)
+
+
+def peak_memory_line(devices: list[torch.device]) -> str | None:
+    """The run's peak of allocated memory on each CUDA device it used (what a batch size or train.feature_cache_gb
+    can still take), or None without one."""
+    cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)
+    if not cuda:
+        return None
+    gib = 2**30
+    parts = [f"{d} {torch.cuda.max_memory_allocated(d) / gib:.1f} of "
+             f"{torch.cuda.get_device_properties(d).total_memory / gib:.0f} GiB" for d in cuda]
+    return "peak GPU memory allocated: " + ", ".join(parts)
+

@@ -179,10 +179,14 @@ def make_batch(row: PackedRow, num_anchors: int, seed: int, index: int, epoch: i
 class BatchSchedule:
     """The run's whole batch sequence: epoch e's rows in order, batch index i = running count.
 
-    Iterating from `start` skips straight to batch `start` (resume). `max_batches` bounds the total."""
+    Iterating from `start` skips straight to batch `start` (resume). `max_batches` bounds the total.
+
+    fixed_rows (train.feature_cache_gb): every epoch trains epoch 0's rows, in an order shuffled per epoch, instead
+    of packing freshly shuffled documents, so a row recurs and its target features can be kept (RowFeatures);
+    row_of then names a row by its place in epoch 0."""
 
     def __init__(self, samples: Sequence[Sample], token_budget: int, num_anchors: int, seed: int,
-                 max_batches: int, pad_id: int = 0, repeats: int = 1):
+                 max_batches: int, pad_id: int = 0, repeats: int = 1, fixed_rows: bool = False):
         if not samples:
             raise ValueError("no training samples")
         if repeats < 1:
@@ -192,8 +196,11 @@ class BatchSchedule:
         # train.steps_per_row: each row is `repeats` consecutive batches, each with its own anchors (seeded by its
         # index); the target computes the row's features once for all of them (row_of)
         self.repeats = repeats
+        self.fixed_rows = fixed_rows
         self._rows_per_epoch: int | None = None
         self._flat: FlatSamples | None = None
+        self._plans0: list[RowPlan] | None = None  # epoch 0's plan, with fixed_rows every epoch's rows
+        self._orders: dict[int, list[int]] = {}     # with fixed_rows: recent epochs' row orders (_row_order)
 
     @property
     def rows_per_epoch(self) -> int:
@@ -205,9 +212,38 @@ class BatchSchedule:
         return self.max_batches
 
     def row_of(self, index: int) -> int:
-        """The row (counted over the whole run) that batch `index` trains on: batches with the same row share its
-        target features."""
-        return index // self.repeats
+        """The row that batch `index` trains on: batches with the same row share its target features. Rows are
+        counted over the whole run, or with fixed_rows named by their place in epoch 0 (the same in every epoch)."""
+        row = index // self.repeats
+        if not self.fixed_rows:
+            return row
+        epoch, place = divmod(row, self.rows_per_epoch)
+        return self._row_order(epoch)[place]
+
+    def _row_order(self, epoch: int) -> list[int]:
+        """With fixed_rows: epoch `epoch`'s rows as places in epoch 0 (epoch 0 itself in order). The last few are
+        kept: the target workers ask for the current epoch's, the packing thread for the next one's (two threads
+        may both compute one; they get the same list)."""
+        order = self._orders.get(epoch)
+        if order is None:
+            order = list(range(len(self._epoch0())))
+            if epoch > 0:
+                random.Random(f"{self.seed}:rows:{epoch}").shuffle(order)
+            if len(self._orders) >= 4:
+                self._orders.pop(min(self._orders), None)
+            self._orders[epoch] = order
+        return order
+
+    def _epoch0(self) -> list[RowPlan]:
+        """With fixed_rows: epoch 0's plan, made once; every epoch trains these rows."""
+        if self._plans0 is None:
+            self._plans0 = epoch_plan(self._flat_samples(), self.token_budget, 0, self.seed)
+        return self._plans0
+
+    def _flat_samples(self) -> FlatSamples:
+        if self._flat is None:  # once: every epoch plans from the same flat arrays
+            self._flat = FlatSamples(self.samples)
+        return self._flat
 
     def iter_from(self, start: int = 0, keep: Callable[[int], bool] | None = None,
                   waiting: Callable[[], None] | None = None) -> Iterable[TrainBatch]:
@@ -250,9 +286,9 @@ class BatchSchedule:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _epoch(self, epoch: int) -> list[RowPlan]:
-        if self._flat is None:  # once: every epoch plans from the same flat arrays
-            self._flat = FlatSamples(self.samples)
-        return epoch_plan(self._flat, self.token_budget, epoch, self.seed)
+        if not self.fixed_rows:
+            return epoch_plan(self._flat_samples(), self.token_budget, epoch, self.seed)
+        return [self._epoch0()[i] for i in self._row_order(epoch)]
 
     def __iter__(self):
         return iter(self.iter_from(0))

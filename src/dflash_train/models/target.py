@@ -27,6 +27,7 @@ doc_ids, so the mask is an input of the compiled or captured forward, never a re
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,8 @@ from ..devices import choose, compute_dtype
 from ..errors import UserError
 from .cuda_graph import GraphedStep
 from .flex import FLEX_TILE, ordered_tiles
+
+log = logging.getLogger("dflash_train")
 
 EMBEDDED_TARGET_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -355,23 +358,61 @@ def load_target(target: str | None, layer_ids: list[int] | None = None, num_feat
 
 
 class RowFeatures:
-    """The last row's target features, for train.steps_per_row > 1: the batches of one row (`row_of(batch.index)`,
-    BatchSchedule.row_of) are consecutive, so each row's features are computed by its first batch and handed to the
-    others as they are (the tensor is never written after it is computed: FeatureForward returns a fresh one)."""
+    """A row's target features, computed once for all the batches that train on it.
 
-    def __init__(self, row_of):
-        self.row_of = row_of
+    Always the last row (train.steps_per_row > 1: the batches of one row, `row_of(batch.index)`, are consecutive).
+    With budget_bytes (train.feature_cache_gb, over a schedule with fixed rows: BatchSchedule.row_of then names the
+    same row in every epoch) also the rows first seen, as many as fit, for the rest of the run: from the second epoch
+    on their batches cost no target forward. The kept rows are the first ones computed and never change: the rows
+    recur in a fresh random order each epoch, where no eviction policy would do better. On CUDA the budget is capped
+    at the device's free memory less CUDA_HEADROOM when the first row is known. A returned tensor is never written
+    after it is computed (FeatureForward returns a fresh one), so one tensor serves every batch of its row."""
+
+    CUDA_HEADROOM = 4 * 2**30
+
+    def __init__(self, row_of, budget_bytes: float = 0, name: str = "target"):
+        self.row_of, self.budget_bytes, self.name = row_of, budget_bytes, name
         self._row: int | None = None
         self._feats: torch.Tensor | None = None
-        self.computed = 0  # forwards run (a test counts them)
+        self.kept: dict[int, torch.Tensor] = {}
+        self.capacity: int | None = None  # rows that may be kept; decided by the first row's size
+        self.computed = 0  # forwards run (tests count them)
+        self.served = 0    # batches served from a kept row without a forward
 
     def __call__(self, index: int, compute) -> torch.Tensor:
         row = self.row_of(index)
-        if row != self._row:
-            self._row, self._feats = row, None   # the old row's tensor is not kept alive during the forward
-            self._feats = compute()
+        if row == self._row:
+            return self._feats
+        feats = self.kept.get(row)
+        if feats is not None:
+            self.served += 1
+        else:
+            self._row, self._feats = None, None  # the last row's tensor is not kept alive during the forward
+            feats = compute()
             self.computed += 1
-        return self._feats
+            if self.budget_bytes and len(self.kept) < self._capacity_for(feats):
+                self.kept[row] = feats
+        self._row, self._feats = row, feats
+        return feats
+
+    def _capacity_for(self, feats: torch.Tensor) -> int:
+        if self.capacity is None:
+            row_bytes = feats.numel() * feats.element_size()
+            budget = self.budget_bytes
+            if feats.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(feats.device)
+                budget = min(budget, max(0, free - self.CUDA_HEADROOM))
+            self.capacity = int(budget // row_bytes)
+            log.info(f"{self.name}: feature cache of {self.capacity} rows ({self.capacity * row_bytes / 2**30:.1f} "
+                     f"GiB, {row_bytes / 2**20:.0f} MiB a row) on {feats.device}: their later epochs run no target "
+                     f"forward")
+        return self.capacity
+
+    def summary(self) -> str:
+        """One line for the end of the run: what the cache kept and saved."""
+        kept = sum(t.numel() * t.element_size() for t in self.kept.values())
+        return (f"{self.name}: feature cache kept {len(self.kept)} rows ({kept / 2**30:.1f} GiB); "
+                f"{self.computed} target forwards, {self.served} rows served from the cache")
 
 
 class FeatureForward:

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..config import Config, ConfigError
-from ..devices import resolve_config, resolve_pipeline_devices
+from ..devices import peak_memory_line, resolve_config, resolve_pipeline_devices
 from ..generation.run_data import regenerate_for_run
 from ..errors import UserError
 from ..models.checkpoint import save_drafter
@@ -69,6 +69,7 @@ class PipelineResult(TrainResult):
     replica_checksums: list[list[float]] = field(default_factory=list)  # [step][replica], equal within a step
     stage_fractions: dict = field(default_factory=dict)                 # wait/busy fractions over the run
     replica_batches: list[list[int]] = field(default_factory=list)      # [replica][step]: batch index trained
+    target_forwards: list[int] = field(default_factory=list)            # [target worker]: rows it computed
 
 
 def train_pipeline(cfg: Config) -> PipelineResult:
@@ -159,7 +160,8 @@ class _Pipeline:
         in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
         warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
         self.targets = [TargetWorker(i, c, t, d, batches, feats, warm, graphs=cfg.model.target_graphs,
-                                     compile=cfg.model.target_compile, row_of=self.run_setup.schedule.row_of)
+                                     compile=cfg.model.target_compile, row_of=self.run_setup.schedule.row_of,
+                                     feature_cache_bytes=cfg.train.feature_cache_gb * 2**30)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]
         # The drafters' clocks exist before the drafters: the reporter that replica 0 holds reads all of them.
         clocks = [StageClock(d) for d in drafter_devices]
@@ -215,6 +217,11 @@ class _Pipeline:
             if self.cfg.run.plots:
                 write_training_plots(self.run_setup.out_dir, self.logger.history, self.logger.val_history)
             log.info(self.validator.summary(d0.steps_done, self.budget.elapsed_s))
+        if self.cfg.train.feature_cache_gb:
+            for t in self.targets:
+                log.info(t.rows.summary())
+        if memory := peak_memory_line([w.device for w in self.workers]):
+            log.info(memory)
         ranks = f" x {self.peers.world} processes" if self.peers.enabled else ""
         log.info(f"done: {d0.steps_done} steps on {self.n} replica(s){ranks}; servable drafter in {final}")
         checksums = [list(c) for c in zip(*(d.checksums for d in self.drafters))]
@@ -223,7 +230,8 @@ class _Pipeline:
                               self.run_setup.out_dir / "drafter_last" if best else None,
                               data=self.run_setup.data_summary,
                               replica_checksums=checksums, stage_fractions=self.reporter.run_fractions(),
-                              replica_batches=[d.batch_indices for d in self.drafters])
+                              replica_batches=[d.batch_indices for d in self.drafters],
+                              target_forwards=[t.rows.computed for t in self.targets])
 
     def _start_and_supervise(self) -> None:
         with self._precompile() or nullcontext() as child:

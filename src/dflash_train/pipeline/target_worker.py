@@ -34,9 +34,11 @@ class FeatureItem:
 class TargetWorker(Worker):
     def __init__(self, index: int, control: RunControl, target: TargetModel,
                  device: torch.device, inbox: queue.Queue, out: queue.Queue, warmup: TrainBatch,
-                 graphs: bool = False, compile: str = "eager", row_of=lambda index: index):
+                 graphs: bool = False, compile: str = "eager", row_of=lambda index: index,
+                 feature_cache_bytes: float = 0):
         super().__init__(f"target{index}", control, device)
-        self.rows = RowFeatures(row_of)  # train.steps_per_row: a row's batches share one forward
+        # a row's batches share one forward (train.steps_per_row); kept rows every epoch's (train.feature_cache_gb)
+        self.rows = RowFeatures(row_of, feature_cache_bytes, self.name)
         self.target, self.inbox, self.out, self.warmup = target, inbox, out, warmup
         self.graphs = graphs  # model.target_graphs: one CUDA graph per row instead of a Python forward
         self.compile = compile  # model.target_compile: eager | a torch.compile mode

@@ -91,7 +91,8 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
                      f"cosine over the share of the time spent), at most {total_steps} steps "
                      f"(train.epochs={t.epochs:g})")
     schedule = BatchSchedule(data.train, cfg.train.token_budget, cfg.train.num_anchors, cfg.train.seed,
-                             total_steps * batches_per_step, pad_id, repeats=t.steps_per_row)
+                             total_steps * batches_per_step, pad_id, repeats=t.steps_per_row,
+                             fixed_rows=t.feature_cache_gb > 0)
     if cfg.model.drafter_init:
         drafter = load_drafter(cfg.model.drafter_init).float()
     else:

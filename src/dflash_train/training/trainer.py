@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..models.checkpoint import save_drafter
-from ..devices import parse_device, resolve_config
+from ..devices import parse_device, peak_memory_line, resolve_config
 from ..models.build import init_output_norm
 from ..models.target import RowFeatures, load_target
 from .budget import TimeBudget
@@ -82,7 +82,8 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     step = start_step
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     window = StepWindow()  # the steps since the last log line
-    rows = RowFeatures(setup.schedule.row_of)  # train.steps_per_row: a row's batches share one target forward
+    # a row's batches share one target forward (train.steps_per_row), kept rows every epoch's (train.feature_cache_gb)
+    rows = RowFeatures(setup.schedule.row_of, cfg.train.feature_cache_gb * 2**30)
     try:
         # the heap frozen and the collector timed for the loop (training/heap.py); leaving ckpt waits for the write
         # in flight: its error is raised (logged if another leaves)
@@ -122,6 +123,10 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     if cfg.run.plots:
         write_training_plots(setup.out_dir, logger.history, logger.val_history)
     log.info(validator.summary(step, budget.elapsed_s))
+    if cfg.train.feature_cache_gb:
+        log.info(rows.summary())
+    if memory := peak_memory_line([device]):
+        log.info(memory)
     log.info(f"done: {step} steps; servable drafter in {final}")
     return TrainResult(setup.out_dir, final, step, logger.history, update.skipped(step), logger.val_history, best,
                        setup.out_dir / "drafter_last" if best else None, data=setup.data_summary)
