@@ -20,7 +20,9 @@
 # its floor: train.dynamic_alpha=0), alpha25 (dynamic_alpha=0.25), lr3e3 / lr4e3 / lr8e3 (lr 3e-3, 4e-3, 8e-3), muon (train.optimizer=muon: Muon
 # for the matrices, AdamW for the rest, same lr), muon1e3 (muon at lr 1e-3), anchors512 (512 anchors per row: half
 # the drafter's work a step, so more, smaller steps in the same minutes), reuse2 (train.steps_per_row=2: two drafter
-# steps on each target forward, each with its own anchors), reuse2a512 (the same with 512 anchors). The loss
+# steps on each target forward, each with its own anchors), reuse2a512 (the same with 512 anchors), cache (rows fixed
+# across epochs and their target features kept on the GPU: train.feature_cache_gb=100, capped at the free memory
+# less 8 GiB; side by side, the first run to fill the GPU leaves the others less). The loss
 # weightings side by side:
 #   PARALLEL=1 bash benchmarks/gpu_variants.sh ce decay gamma4
 # v1 against v2 at the same data and budget:
@@ -81,6 +83,7 @@ variant_args() {
     anchors512) echo "train.num_anchors=512" ;;
     reuse2) echo "train.steps_per_row=2" ;;
     reuse2a512) echo "train.steps_per_row=2 train.num_anchors=512" ;;
+    cache) echo "train.feature_cache_gb=100" ;;
     *) echo "unknown variant $1" >&2; return 2 ;;
   esac
 }

@@ -286,7 +286,7 @@ class TrainConfig:
                                       "document keeps its row in every epoch and only the rows' order is "
                                       "shuffled (attention never crosses documents, so a row's neighbours do not "
                                       "change what is learnt). Rows beyond the budget (or the device's free "
-                                      "memory less 4 GiB) are computed every epoch. 0 = off. A row costs "
+                                      "memory less 8 GiB) are computed every epoch. 0 = off. A row costs "
                                       "token_budget x taps x hidden x 2 bytes (bf16): 47 MB for SmolLM2 at 8,192 "
                                       "tokens. With several target devices each keeps the rows it computed "
                                       "first.")

@@ -365,10 +365,11 @@ class RowFeatures:
     same row in every epoch) also the rows first seen, as many as fit, for the rest of the run: from the second epoch
     on their batches cost no target forward. The kept rows are the first ones computed and never change: the rows
     recur in a fresh random order each epoch, where no eviction policy would do better. On CUDA the budget is capped
-    at the device's free memory less CUDA_HEADROOM when the first row is known. A returned tensor is never written
-    after it is computed (FeatureForward returns a fresh one), so one tensor serves every batch of its row."""
+    at the device's free memory (the driver's, plus what this process's allocator holds unused) less CUDA_HEADROOM
+    when the first row is known. A returned tensor is never written after it is computed (FeatureForward returns a
+    fresh one), so one tensor serves every batch of its row."""
 
-    CUDA_HEADROOM = 4 * 2**30
+    CUDA_HEADROOM = 8 * 2**30
 
     def __init__(self, row_of, budget_bytes: float = 0, name: str = "target"):
         self.row_of, self.budget_bytes, self.name = row_of, budget_bytes, name
@@ -399,9 +400,10 @@ class RowFeatures:
         if self.capacity is None:
             row_bytes = feats.numel() * feats.element_size()
             budget = self.budget_bytes
-            if feats.device.type == "cuda":
+            if feats.device.type == "cuda":  # the driver's free memory and what this process's allocator holds idle
                 free, _ = torch.cuda.mem_get_info(feats.device)
-                budget = min(budget, max(0, free - self.CUDA_HEADROOM))
+                idle = torch.cuda.memory_reserved(feats.device) - torch.cuda.memory_allocated(feats.device)
+                budget = min(budget, max(0, free + idle - self.CUDA_HEADROOM))
             self.capacity = int(budget // row_bytes)
             log.info(f"{self.name}: feature cache of {self.capacity} rows ({self.capacity * row_bytes / 2**30:.1f} "
                      f"GiB, {row_bytes / 2**20:.0f} MiB a row) on {feats.device}: their later epochs run no target "
