@@ -7,6 +7,7 @@
 #            after training (reduce-overhead steps in worker threads, flex target as a CUDA graph), and the
 #            `generate` benchmark (continuous batching vs static batches, SmolLM2 shape, random weights)
 #   check2   the tiny pipeline with a DFlash 2 drafter (model.architecture=dflash2)
+#   check_cache   the tiny pipeline with train.feature_cache_gb, against the same fixed rows with nothing kept
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)
 #   poll     wait until the demo ends or POLL_S seconds (default 500) pass, then the demo log's last lines (issue the
@@ -92,6 +93,17 @@ check() {
 check2() {
   banner "tiny pipeline on the GPU, DFlash 2 drafter"
   tiny_run /tmp/tinyrun2 model.architecture=dflash2
+}
+
+# train.feature_cache_gb on the GPU (CUDA graphs, flex, the shared GPU's streams): the tiny pipeline over several
+# epochs with the rows' features kept, then with the same fixed rows and nothing kept; the two logs' summaries.
+check_cache() {
+  banner "tiny pipeline on the GPU: feature cache on, then fixed rows with nothing kept"
+  tiny_run /tmp/tinycache data.synthetic_samples=48 train.feature_cache_gb=1
+  tiny_run /tmp/tinynocache data.synthetic_samples=48 train.feature_cache_gb=0.000001
+  for r in /tmp/tinycache /tmp/tinynocache; do
+    echo "--- $r"; grep -E "feature cache|peak GPU memory|rows of .* tokens per epoch|val +60/|done:" $r.log
+  done
 }
 
 join() {
