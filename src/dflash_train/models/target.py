@@ -405,9 +405,10 @@ class RowFeatures:
                 idle = torch.cuda.memory_reserved(feats.device) - torch.cuda.memory_allocated(feats.device)
                 budget = min(budget, max(0, free + idle - self.CUDA_HEADROOM))
             self.capacity = int(budget // row_bytes)
+            what = ("their later epochs run no target forward" if self.capacity else
+                    "not one row fits, every row is computed every epoch")
             log.info(f"{self.name}: feature cache of {self.capacity} rows ({self.capacity * row_bytes / 2**30:.1f} "
-                     f"GiB, {row_bytes / 2**20:.0f} MiB a row) on {feats.device}: their later epochs run no target "
-                     f"forward")
+                     f"GiB, {row_bytes / 2**20:.1f} MiB a row) on {feats.device}: {what}")
         return self.capacity
 
     def summary(self) -> str:
