@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, fields
@@ -201,6 +202,7 @@ class BatchSchedule:
         self._flat: FlatSamples | None = None
         self._plans0: list[RowPlan] | None = None  # epoch 0's plan, with fixed_rows every epoch's rows
         self._orders: dict[int, list[int]] = {}     # with fixed_rows: recent epochs' row orders (_row_order)
+        self._lock = threading.Lock()                # _orders and _plans0: the target workers and the packing thread
 
     @property
     def rows_per_epoch(self) -> int:
@@ -222,20 +224,20 @@ class BatchSchedule:
 
     def _row_order(self, epoch: int) -> list[int]:
         """With fixed_rows: epoch `epoch`'s rows as places in epoch 0 (epoch 0 itself in order). The last few are
-        kept: the target workers ask for the current epoch's, the packing thread for the next one's (two threads
-        may both compute one; they get the same list)."""
-        order = self._orders.get(epoch)
-        if order is None:
-            order = list(range(len(self._epoch0())))
-            if epoch > 0:
-                random.Random(f"{self.seed}:rows:{epoch}").shuffle(order)
-            if len(self._orders) >= 4:
-                self._orders.pop(min(self._orders), None)
-            self._orders[epoch] = order
-        return order
+        kept: the target workers ask for the current epoch's, the packing thread for the next one's."""
+        with self._lock:
+            order = self._orders.get(epoch)
+            if order is None:
+                order = list(range(len(self._epoch0())))
+                if epoch > 0:
+                    random.Random(f"{self.seed}:rows:{epoch}").shuffle(order)
+                if len(self._orders) >= 4:
+                    del self._orders[min(self._orders)]
+                self._orders[epoch] = order
+            return order
 
     def _epoch0(self) -> list[RowPlan]:
-        """With fixed_rows: epoch 0's plan, made once; every epoch trains these rows."""
+        """With fixed_rows: epoch 0's plan, made once (under _lock); every epoch trains these rows."""
         if self._plans0 is None:
             self._plans0 = epoch_plan(self._flat_samples(), self.token_budget, 0, self.seed)
         return self._plans0
@@ -288,7 +290,8 @@ class BatchSchedule:
     def _epoch(self, epoch: int) -> list[RowPlan]:
         if not self.fixed_rows:
             return epoch_plan(self._flat_samples(), self.token_budget, epoch, self.seed)
-        return [self._epoch0()[i] for i in self._row_order(epoch)]
+        order = self._row_order(epoch)  # makes epoch 0's plan first if needed
+        return [self._plans0[i] for i in order]
 
     def __iter__(self):
         return iter(self.iter_from(0))
