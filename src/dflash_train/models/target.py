@@ -411,6 +411,12 @@ class RowFeatures:
                      f"GiB, {row_bytes / 2**20:.1f} MiB a row) on {feats.device}: {what}")
         return self.capacity
 
+    def release(self) -> None:
+        """Drop every kept row (the end of training): what runs next in the process, the demo's measurement, gets the
+        memory back even while something still refers to this object."""
+        self.kept.clear()
+        self._row, self._feats = None, None
+
     def summary(self) -> str:
         """One line for the end of the run: what the cache kept and saved."""
         kept = sum(t.numel() * t.element_size() for t in self.kept.values())

@@ -220,6 +220,7 @@ class _Pipeline:
         if self.cfg.train.feature_cache_gb:
             for t in self.targets:
                 log.info(t.rows.summary())
+                t.rows.release()
         if memory := peak_memory_line([w.device for w in self.workers]):
             log.info(memory)
         ranks = f" x {self.peers.world} processes" if self.peers.enabled else ""
