@@ -18,7 +18,9 @@
 #            logs, metrics_<variant>.jsonl, bench JSON)
 #   collect  the demo's table, logs, metrics and eval reports into $OUT
 #   bench    after the demo, on the same machine: issue #16's Qwen3-8B benchmarks named in BENCH (default startup:
-#            command -> first step, cold then warm; or pipeline), within BENCH_S seconds (default 500), JSON to $OUT
+#            command -> first step, cold then warm; or pipeline), within BENCH_S seconds (default 500), JSON to $OUT.
+#            A cold start at Qwen3-8B's shape takes 304-496 s, so cold and warm take two calls: set
+#            DFLASH_STARTUP_DIR=/tmp/dflash_startup in both (the second finds the cold run done and times the warm one)
 # The GGUF halves: `split -n 2 -d SmolLM2-135M-Instruct.Q4_1.gguf` into .gpu/a and .gpu/b (git-ignored).
 set -u
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

@@ -47,6 +47,31 @@ def test_cpu_smoke_startup_measures_a_cold_and_a_warm_start(tmp_path):
     assert res["ratios"]["startup warm: seconds to the first step (goal <= 60)"] == warm["first_step_s"]
 
 
+@pytest.mark.slow  # one CLI run of the tiny shape in a subprocess: ~15 s on a 2-core CPU
+def test_a_kept_work_dir_whose_cold_run_is_done_measures_the_warm_start_alone(tmp_path, monkeypatch):
+    """DFLASH_STARTUP_DIR: on the GPU the cold start (5-8 minutes at Qwen3-8B's shape) and the warm one do not fit in
+    one device call, so a second call on the same machine finds the cold run's marker and runs the warm start only,
+    and the dir (target, compile cache) stays for the caller to remove."""
+    bench = benchmarks_module("bench")
+    keep = tmp_path / "kept"
+    keep.mkdir()
+    (keep / "cold_done").write_text("496.2\n")   # as an earlier call leaves it
+    monkeypatch.setenv("DFLASH_STARTUP_DIR", str(keep))
+    saved_path = list(sys.path)
+    try:
+        code = bench.main(["--suite", "cpu-smoke", "--only", "startup", "--json", str(tmp_path / "bench.json")])
+    finally:
+        sys.path[:] = saved_path
+    res = json.loads((tmp_path / "bench.json").read_text())
+    rows = {r["variant"]: r for r in res["rows"] if r["bench"] == "startup"}
+    assert code == 0 and rows["cold"]["status"] == "skipped" and "earlier call" in rows["cold"]["note"], rows
+    assert "496.2" in rows["cold"]["note"]
+    warm = rows["warm"]
+    assert warm["status"] == "ok" and warm["extra"]["first_step_s"] > 0, warm
+    assert Path(warm["extra"]["compile_cache"]).resolve() == (keep / "compile_cache").resolve()
+    assert (keep / "target" / "config.json").is_file() and (keep / "compile_cache").is_dir()  # kept
+
+
 def test_startup_log_parsing_and_rows():
     startup = benchmarks_module("cases_startup")
     log = "\n".join([
