@@ -235,3 +235,40 @@ def test_frozen_target_weights_are_static_inputs_of_the_compiled_step():
                 (static if is_static else dynamic).add(tuple(value.shape))
     assert tuple(embed_w.shape) in static and tuple(feats.shape) in dynamic, (static, dynamic)
     assert tuple(embed_w.shape) not in dynamic
+
+
+@pytest.mark.parametrize("mode", ["default", "eager"])
+def test_validation_through_the_training_graph_compiles_nothing_and_reads_the_same(mode):
+    """train.validation_graph=training: evaluate runs the training step's compiled forward (no backward), so after
+    the training step's warm-up validation compiles no frame, and its loss, metrics and acceptance lengths equal
+    those of validation's own forward-only graph; the .grad buffers stay as the training steps left them."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    from dflash_train.config import TrainConfig
+    from dflash_train.data.packing import TrainBatch
+    from dflash_train.training.step import DrafterStep
+
+    drafter, row, anchors, valid, feats, embed_w, head_w = _tiny_setup()
+    batch = TrainBatch(**row, anchors=anchors, anchor_valid=valid)
+    steps = {}
+    for graph in ("own", "training"):
+        cfg = TrainConfig(compile=mode, attention="sdpa", dtype="fp32", loss_chunk=7, validation_graph=graph)
+        steps[graph] = DrafterStep(copy.deepcopy(drafter), embed_w, head_w, cfg, torch.device("cpu"),
+                                   tag=f"vgraph_{mode}_{graph}", backend="aot_eager")
+        for _ in range(2):  # the pipeline's warm-up: the training step twice
+            steps[graph](batch, feats)
+    grads = [p.grad.clone() for p in steps["training"].drafter.parameters()]
+    frames = counters["frames"]["total"]
+    through_training = steps["training"].evaluate(batch, feats)
+    assert counters["frames"]["total"] == frames  # nothing compiled for validation
+    for p, g in zip(steps["training"].drafter.parameters(), grads):
+        assert torch.equal(p.grad, g)
+    own = steps["own"].evaluate(batch, feats)
+    if mode != "eager":
+        assert counters["frames"]["total"] > frames  # the own graph compiles (the cost the option saves)
+    assert set(through_training) == set(own)
+    for k in own:
+        assert not through_training[k].requires_grad
+        torch.testing.assert_close(through_training[k], own[k], rtol=1e-5, atol=1e-6)

@@ -95,11 +95,13 @@ def test_validation_metrics_equal_a_direct_computation(tiny_llama, tmp_path):
     assert all(torch.equal(a.anchors, b.anchors.cpu()) for a, b in zip(again, rows.batches))
 
 
-@pytest.mark.parametrize("trainer", ["single", "pipeline"])
-def test_validation_leaves_the_training_trajectory_untouched(trainer, tiny_llama, tmp_path):
+@pytest.mark.parametrize("trainer,graph", [("single", "own"), ("pipeline", "own"), ("pipeline", "training")])
+def test_validation_leaves_the_training_trajectory_untouched(trainer, graph, tiny_llama, tmp_path):
+    """Also through the training step's own graph (train.validation_graph=training: its forward, no backward)."""
     run = train_single_device if trainer == "single" else train_pipeline
     common = ["train.max_steps=12", "train.log_every=2"]
-    with_val = run(tiny_cfg(tiny_llama, tmp_path / "val", *common, "train.eval_every=3"))
+    with_val = run(tiny_cfg(tiny_llama, tmp_path / "val", *common, "train.eval_every=3",
+                            f"train.validation_graph={graph}"))
     without = run(tiny_cfg(tiny_llama, tmp_path / "noval", *common, "train.eval_every=0"))
     assert len(with_val.val_history) == 4 and without.val_history == []
     assert [h["loss"] for h in with_val.history] == [h["loss"] for h in without.history]

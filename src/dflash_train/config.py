@@ -38,6 +38,8 @@ def _f(default: Any, help: str, **kw) -> Any:
 
 # model.target_compile's values: eager, or a torch.compile mode without inductor's CUDA graphs (FeatureForward).
 TARGET_COMPILE = ("eager", "default", "max-autotune-no-cudagraphs")
+# train.validation_graph's values (training/step.py, DrafterStep.evaluate).
+VALIDATION_GRAPHS = ("own", "training")
 
 
 @dataclass
@@ -308,6 +310,12 @@ class TrainConfig:
                                    "probability p to (1 - alpha) * p + alpha before the products (D-PACE's 0.5), so "
                                    "positions the drafter cannot get right yet still train. In [0, 1]: 0 = the "
                                    "plain expected-acceptance gradient, 1 = fixed weights (B-k)/(B-1).")
+    validation_graph: str = _f("own", "What validation's forward runs, compiled: own (a forward-only graph of its own, "
+                                      "compiled at start-up beside the training step) | training (the training "
+                                      "step's compiled forward with autograd recording and no backward: no compile "
+                                      "of its own, the same loss and metrics, ~1/3 more LM-head work in "
+                                      "validation). At the Qwen3-8B shape validation's own graph took 190 s of a "
+                                      "496-s cold start on one H200 (docs/BENCHMARKS.md, fast start).")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps. Empty = epochs.")
     epochs: float = _f(1.0, "Passes over the training rows when max_steps is empty.")
     budget_steps_per_s: float | None = _f(None, "With max_minutes and no max_steps: size the LR schedule in steps "
@@ -380,6 +388,8 @@ class TrainConfig:
         _require(self.gamma is None or self.gamma > 0, "train.gamma", self.gamma, "positive, or empty for the "
                  "block size's default")
         _require(0.0 <= self.dynamic_alpha <= 1.0, "train.dynamic_alpha", self.dynamic_alpha, "in [0, 1]")
+        _require(self.validation_graph in VALIDATION_GRAPHS, "train.validation_graph", self.validation_graph,
+                 f"one of {', '.join(VALIDATION_GRAPHS)}")
         _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps,
                  "at least 1, or empty to train for train.epochs")
         _require(self.epochs > 0, "train.epochs", self.epochs, "positive")

@@ -88,9 +88,12 @@ class DrafterStep:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._loss = self._compiled(_fresh_function(_loss_fn, tag), backend)
-        # Validation's forward-only loss: its own code object, so its graph (traced without autograd) never evicts
-        # or recompiles the training step's. Compiled on first use: callers that validate warm it up first.
-        self._eval_loss = self._compiled(_fresh_function(_loss_fn, f"{tag}_eval"), backend)
+        # Validation's forward (train.validation_graph). own: a forward-only loss with its own code object, so its
+        # graph (traced without autograd) never evicts or recompiles the training step's; compiled on first use
+        # (callers that validate warm it up first). training: none of its own; evaluate runs the training step's
+        # compiled forward with autograd recording and never calls backward, so nothing compiles for validation.
+        self._eval_loss = (None if cfg.validation_graph == "training" else
+                           self._compiled(_fresh_function(_loss_fn, f"{tag}_eval"), backend))
 
     def _compiled(self, fn, backend: str | None):
         if self.compile_mode == "eager":
@@ -118,9 +121,18 @@ class DrafterStep:
         # CUDA-graph outputs live in static buffers overwritten by the next replay: keep private copies.
         return {k: out[k].detach().clone() for k in METRIC_KEYS}
 
-    @torch.no_grad()
     def evaluate(self, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
         """The same loss and metrics without backward, plus each block's acceptance length (`accept_len` [A]):
-        weights, .grad buffers and RNG streams are untouched."""
-        out = self._run(self._eval_loss, batch, feats)
+        weights, .grad buffers and RNG streams are untouched.
+
+        Through the training step's graph, autograd records as in training (dynamo guards on grad mode: under
+        no_grad the same function would compile a second graph) and the record is dropped with `out`; the graph's
+        static outputs, the activations saved for a backward among them, are overwritten by the next replay, and
+        no backward is pending here (validation runs between steps)."""
+        if self._eval_loss is None:
+            with torch.enable_grad():
+                out = self._run(self._loss, batch, feats)
+        else:
+            with torch.no_grad():
+                out = self._run(self._eval_loss, batch, feats)
         return {k: out[k].detach().clone() for k in (*METRIC_KEYS, "accept_len")}
