@@ -213,6 +213,26 @@ def test_fixed_rows_train_epoch_zeros_rows_in_a_fresh_order_and_name_them_alike(
         assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
 
 
+@pytest.mark.parametrize("n,block", [(1, 32), (7, 32), (32, 32), (33, 32), (1000, 32), (2693, 32), (50, 8)])
+def test_spread_order_is_a_permutation_whose_blocks_share_every_suffix_of_ids_evenly(n, block):
+    """A later epoch's row order (fixed rows, train.feature_cache_gb): random, but every `block` consecutive places
+    hold the same number of ids at or past any c, give or take one (the rows past the cache's capacity), so no log
+    window gets more target forwards than the next by chance."""
+    import random
+
+    from dflash_train.data.packing import spread_order
+
+    order = spread_order(n, block, random.Random(1))
+    assert sorted(order) == list(range(n))
+    assert order == spread_order(n, block, random.Random(1)) and (n < 3 or order != spread_order(n, block, random.Random(2)))
+    full = [order[i:i + block] for i in range(0, n - block + 1, block) if n >= block]
+    full = [b for b in full if len(b) == block][: n // block]
+    for c in range(0, n, max(1, n // 37)):
+        counts = [sum(i >= c for i in b) for b in full]
+        if counts:
+            assert max(counts) - min(counts) <= 1, (c, counts)
+
+
 def test_row_features_keep_the_first_rows_that_fit_and_serve_them_again():
     """RowFeatures with a byte budget: each row's features are computed once while the budget holds them, the rows
     beyond it every time they come back; the last row is always reused by its consecutive batches."""
