@@ -4,7 +4,10 @@
   python3 benchmarks/compare_evals.py BASE.json OTHER.json [...]
 
 Each file is an evaluation report (`dflash-train eval` or a run's eval_final/eval.json, the demo's
-eval_yardstick.json). Prompts are paired by id (by position when the reports carry none). Per report: mean tau and
+eval_yardstick.json), or a run's validation_replies.json: validation's decoding walk per held-out reply at the best
+step, keyed by conversation, so that `compare_evals.py RUN/validation_replies.json RUN/eval_heldout/eval.json` sets
+the estimate against the measured tau on the same conversations (the demo measures the first held-out ShareGPT
+conversations, which validation's rows hold too). Prompts are paired by id (by position when the reports carry none). Per report: mean tau and
 the standard error of that mean over prompts (how far another set of prompts of the same kinds could move it). Per
 OTHER: the mean of the per-prompt differences OTHER - BASE and its standard error. The prompts differ far more
 from each other than two drafters differ on one prompt, so the paired error is the smaller one by far. Standard
@@ -19,8 +22,10 @@ import sys
 
 
 def per_prompt(path: str) -> dict[str, float]:
-    prompts = json.load(open(path))["prompts"]
-    return {str(p.get("id", i)): p["tau"] for i, p in enumerate(prompts)}
+    report = json.load(open(path))
+    if "replies" in report:  # validation_replies.json: replies without a key (synthetic data) cannot be paired
+        return {str(r["key"]): r["tau"] for r in report["replies"] if r["key"] is not None}
+    return {str(p.get("id", i)): p["tau"] for i, p in enumerate(report["prompts"])}
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -35,10 +40,14 @@ def main(paths: list[str]) -> None:
     for path in paths[1:]:
         other = per_prompt(path)
         ids = [i for i in base if i in other]
+        if not ids:
+            print(f"{path}: no prompt in common with {paths[0]}")
+            continue
         m, se = mean_se([other[i] for i in ids])
         dm, dse = mean_se([other[i] - base[i] for i in ids])
+        z = f"{dm / dse:+.1f} standard errors" if dse > 0 else "the same on every prompt"
         print(f"{path}: tau {m:.3f} ± {se:.3f}; paired difference over {len(ids)} prompts {dm:+.3f} ± {dse:.3f} "
-              f"({dm / dse:+.1f} standard errors)")
+              f"({z})")
 
 
 if __name__ == "__main__":

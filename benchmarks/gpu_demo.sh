@@ -177,11 +177,15 @@ finish() {
   if (( left > 120 )); then BENCH_S=$left bench; else echo "no time left for a bench ($left s)"; fi
 }
 
+# A call brings back 8 files at most (gpu_demo.log, written by this script, is one): the seven that matter as they
+# are, the rest (demo.json, training.png, the warm-up child's log) in extras.tgz.
 collect() {
   mkdir -p "$OUT"
   local r=$S/runs/demo
-  cp $S/demo.log $S/runs/demo-data/compile_warmup.log "$OUT/" 2>/dev/null
-  cp $r/demo.txt $r/demo.json $r/training.png $r/metrics.jsonl "$OUT/" 2>/dev/null
+  cp $S/demo.log "$OUT/" 2>/dev/null
+  cp $r/demo.txt $r/metrics.jsonl $r/validation_replies.json "$OUT/" 2>/dev/null
+  tar -czf "$OUT/extras.tgz" -C / $(ls $r/demo.json $r/training.png $S/runs/demo-data/compile_warmup.log 2>/dev/null \
+      | sed 's|^/||') 2>/dev/null
   for e in yardstick heldout; do cp $r/eval_$e/eval.json "$OUT/eval_$e.json" 2>/dev/null; done
   cat $r/demo.txt 2>/dev/null
 }

@@ -273,6 +273,7 @@ def test_split_is_deterministic_and_capped(tmp_path, tok):
     held_q = {m[0]["content"] for m in a.heldout_messages}
     keys_held = [f"c{i}" for i in range(200) if is_heldout(f"c{i}", 0, 0.2)]
     assert held_q == {f"Question number {k[1:]}?" for k in keys_held[:30]}  # first 30 in file order
+    assert a.heldout_keys == keys_held[:30]  # each held-out sample's conversation key, in the same order
     assert a.stats["heldout_overflow"] == len(keys_held) - 30
     assert len(a.train) == 200 - len(keys_held)  # overflow is dropped, never trained on
 
@@ -351,8 +352,9 @@ def test_cache_hit_skips_the_tokenizer(tmp_path, tok, monkeypatch):
         m.setattr(type(tok), "apply_chat_template", boom)
         second = load_chat_dataset(cfg, tok, cache_dir=str(tmp_path / "cache"))
     assert second.stats["cache"] == "hit"
-    assert (second.train, second.heldout, second.heldout_messages) == \
-           (first.train, first.heldout, first.heldout_messages)
+    assert (second.train, second.heldout, second.heldout_messages, second.heldout_keys) == \
+           (first.train, first.heldout, first.heldout_messages, first.heldout_keys)
+    assert len(first.heldout_keys) == len(first.heldout) > 0
     other = load_chat_dataset(DataConfig(source=str(path), heldout_fraction=0.1, max_length=64), tok,
                               cache_dir=str(tmp_path / "cache"))
     assert other.stats["cache"] == "miss"  # a setting that changes the tokens changes the key

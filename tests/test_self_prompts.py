@@ -553,6 +553,10 @@ def test_a_mix_interleaves_its_held_out_sources_so_validation_sees_each(tmp_path
     assert [{"alpha": "a", "beta": "b"}[n] for n in names] == split.heldout_sources  # validation's by-source labels
     for sample, messages in zip(split.heldout, split.heldout_messages):  # still paired after the interleave
         assert messages[0]["content"] in byte_tok.decode(sample.input_ids)
+    alone_keys = {n: load_dataset(DataConfig(source=p, heldout_fraction=0.3), byte_tok, cache_dir="").heldout_keys
+                  for n, p in (("alpha", a), ("beta", b))}
+    for n in ("alpha", "beta"):  # the keys travel with their samples through the interleave
+        assert [k for k, o in zip(split.heldout_keys, names) if o == n] == alone_keys[n]
 
 
 def test_no_bundled_opener_begins_a_yardstick_prompt():

@@ -91,7 +91,7 @@ def test_validation_metrics_equal_a_direct_computation(tiny_llama, tmp_path):
     torch.testing.assert_close(got["acc"], want["acc"])
     assert got["tau_decoding"] == pytest.approx(sum(taus) / len(taus))
     # The blocks are fixed: the same rows and anchors every time they are built.
-    _, again, _, _ = validation_rows(data.heldout, cfg.train.token_budget, cfg.train.num_anchors, 3)
+    _, again, _, _, _ = validation_rows(data.heldout, cfg.train.token_budget, cfg.train.num_anchors, 3)
     assert all(torch.equal(a.anchors, b.anchors.cpu()) for a, b in zip(again, rows.batches))
 
 
@@ -300,11 +300,13 @@ def test_decoding_tau_by_source_groups_the_same_walks(tiny_llama, tmp_path):
     torch.manual_seed(0)
     drafter = build_drafter(cfg.model, target_config_info(tiny_llama)).float()
     target = load_target(tiny_llama, drafter.config.target_layer_ids)
-    rows = build_validation_rows(data.heldout, cfg, target, torch.device("cpu"), sources=sources)
-    for row, labels in zip(rows.rows, rows.doc_sources):  # document d's label is its own first token's
-        for d, label in enumerate(labels):
-            first = int(row.input_ids[(row.doc_ids == d).nonzero()[0, 0]])
-            assert label == f"first{first % 3}"
+    keys = [f"conv{i}" for i in range(len(data.heldout))]
+    rows = build_validation_rows(data.heldout, cfg, target, torch.device("cpu"), sources=sources, keys=keys)
+    for row, labels, names in zip(rows.rows, rows.doc_sources, rows.doc_keys):  # document d's label: its own
+        for d, (label, name) in enumerate(zip(labels, names)):
+            ids = row.input_ids[row.doc_ids == d].tolist()
+            assert label == f"first{ids[0] % 3}"
+            assert ids == data.heldout[int(name.removeprefix("conv"))].input_ids  # the key names this document
     step = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, resolve_config(cfg).train,
                        torch.device("cpu"))
     got = evaluate_rows(step, rows)
@@ -320,3 +322,41 @@ def test_decoding_tau_by_source_groups_the_same_walks(tiny_llama, tmp_path):
     assert got["tau_decoding_by_source"] == pytest.approx({k: sum(v) / len(v) for k, v in groups.items()})
     every = [t for v in groups.values() for t in v]
     assert got["tau_decoding"] == pytest.approx(sum(every) / len(every))
+    # Per reply, keyed (what the best step writes to REPLIES_FILE): the same walks, each with its own key and source
+    replies = got["replies"]
+    assert sorted(r["tau"] for r in replies) == pytest.approx(sorted(every))
+    assert len({r["key"] for r in replies}) == len(replies)
+    assert all(r["source"] == sources[int(r["key"].removeprefix("conv"))] for r in replies)
+
+
+def test_the_best_steps_replies_are_kept_by_key_and_pair_with_a_measurement(tiny_llama, tmp_path, capsys):
+    """REPLIES_FILE holds decoding's walk per held-out reply at the best step (not a later, worse one), keyed by
+    conversation, and benchmarks/compare_evals.py pairs it with an evaluation report on those conversations."""
+    import dataclasses
+    import sys as _sys
+    from pathlib import Path
+
+    from dflash_train.training.validation import REPLIES_FILE
+
+    rows, drafter = _rows(tiny_llama, tmp_path)
+    keys = [[f"c{r}_{d}" for d in range(int(row.doc_ids.max()) + 1)] for r, row in enumerate(rows.rows)]
+    rows = dataclasses.replace(rows, doc_keys=keys)
+    out = tmp_path / "run"
+    out.mkdir()
+    v = Validator(rows, out, eval_every=10, total_steps=30, logger=_Logger())
+    for step, tau in zip((10, 20, 30), (2, 4, 3)):
+        v(step, _ScriptedStep([tau], len(rows.batches)), drafter)
+    kept = json.loads((out / REPLIES_FILE).read_text())
+    assert kept["step"] == 20 == v.best["step"]
+    assert {r["key"] for r in kept["replies"]} <= {k for row in keys for k in row} and kept["replies"]
+    assert all(r["tau"] == pytest.approx(4) for r in kept["replies"])  # every block accepted 4 at step 20
+    # a measurement of some of those conversations, 0.5 lower on each: paired, the difference is exactly -0.5
+    measured = [{"id": r["key"], "tau": r["tau"] - 0.5} for r in kept["replies"][:3]]
+    (tmp_path / "eval.json").write_text(json.dumps({"prompts": measured + [{"id": "elsewhere", "tau": 9.0}]}))
+    _sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import compare_evals
+    finally:
+        _sys.path.pop(0)
+    compare_evals.main([str(out / REPLIES_FILE), str(tmp_path / "eval.json")])
+    assert "paired difference over 3 prompts -0.500" in capsys.readouterr().out

@@ -349,7 +349,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
         **{k: n for k, n in counts.items() if not k.startswith("skip:")},
     }
     return DatasetSplit(train=train, heldout=heldout, heldout_messages=[c.messages for c, _ in kept[True]],
-                        stats=stats)
+                        stats=stats, heldout_keys=[str(c.key) for c, _ in kept[True]])
 
 
 def _no_training_data(cfg: DataConfig, path: Path, n_read: int, skipped: dict[str, int]) -> str:
@@ -403,7 +403,8 @@ def _save_cache(split: DatasetSplit, cache_path: Path) -> None:
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {f"{name}_{k}": v for name in ("train", "heldout")
               for k, v in _flatten(getattr(split, name)).items()}
-    meta = json.dumps({"stats": split.stats, "heldout_messages": split.heldout_messages})
+    meta = json.dumps({"stats": split.stats, "heldout_messages": split.heldout_messages,
+                       "heldout_keys": split.heldout_keys})
     fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=cache_path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -419,7 +420,8 @@ def _load_cache(cache_path: Path) -> DatasetSplit:
         meta = json.loads(str(z["meta"]))
         train, heldout = (_unflatten(z[f"{n}_ids"], z[f"{n}_mask"], z[f"{n}_lens"]) for n in ("train", "heldout"))
     return DatasetSplit(train=train, heldout=heldout, heldout_messages=meta["heldout_messages"],
-                        stats=dict(meta["stats"], cache_path=str(cache_path)))
+                        stats=dict(meta["stats"], cache_path=str(cache_path)),
+                        heldout_keys=meta.get("heldout_keys", []))  # caches written before keys were kept: none
 
 
 def _log_summary(stats: dict, seconds: float) -> None:

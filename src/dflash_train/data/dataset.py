@@ -87,15 +87,17 @@ def load_mix(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str | None = 
     # Validation packs its rows from the front of the held-out list: interleaved, its first rows hold every source
     # in proportion, not only the first source's conversations.
     names = [row["source"] for row in per_source]
-    held = interleave([[(h, m, name) for h, m in zip(s.heldout, s.heldout_messages or [None] * len(s.heldout))]
+    held = interleave([[(h, m, name, k) for h, m, k in zip(s.heldout, s.heldout_messages or [None] * len(s.heldout),
+                                                            s.heldout_keys or [None] * len(s.heldout))]
                        for s, name in zip(splits, names)])
-    heldout = [h for h, _, _ in held]
-    heldout_messages = [m for _, m, _ in held] if all(s.heldout_messages or not s.heldout for s in splits) else []
-    heldout_sources = [Path(name).stem for _, _, name in held]
+    heldout = [h for h, _, _, _ in held]
+    heldout_messages = [m for _, m, _, _ in held] if all(s.heldout_messages or not s.heldout for s in splits) else []
+    heldout_sources = [Path(name).stem for _, _, name, _ in held]
+    heldout_keys = [k for _, _, _, k in held] if all(s.heldout_keys or not s.heldout for s in splits) else []
     stats = {"source": "mix", "sources": per_source, "train": len(train), "heldout": len(heldout),
              "unique_tokens": sum(r["unique_tokens"] for r in per_source)}
     return DatasetSplit(train=train, heldout=heldout, heldout_messages=heldout_messages, stats=stats,
-                        heldout_sources=heldout_sources)
+                        heldout_sources=heldout_sources, heldout_keys=heldout_keys)
 
 
 def interleave(lists: list[list]) -> list:

@@ -62,6 +62,8 @@ class DatasetSplit:
     stats: dict = field(default_factory=dict)
     # a data.mix's held-out conversations: the source each came from (its file's stem), for validation by source
     heldout_sources: list[str] = field(default_factory=list)
+    # each held-out conversation's key (its record's id), to pair validation's replies with measured prompts
+    heldout_keys: list[str] = field(default_factory=list)
 
 
 @dataclass

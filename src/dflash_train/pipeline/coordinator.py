@@ -143,7 +143,8 @@ class _Pipeline:
             if peers.is_rank0:
                 pad_id = getattr(self.run_setup.tokenizer, "pad_token_id", None) or 0
                 rows = build_validation_rows(self.run_setup.data.heldout, cfg, targets[0], drafter_devices[0], pad_id,
-                                             sources=self.run_setup.data.heldout_sources)
+                                             sources=self.run_setup.data.heldout_sources,
+                                             keys=self.run_setup.data.heldout_keys)
             self.validator = Validator(rows, self.run_setup.out_dir, cfg.train.eval_every,
                                        self.run_setup.total_steps, self.logger)
             self._build_workers(targets, target_devices, drafter_devices, init, state)

@@ -43,6 +43,9 @@ log = logging.getLogger("dflash_train")
 
 BEST_METRIC = "val_tau_decoding"  # picks drafter/: the acceptance length decoding would reach on held-out replies
 BEST_DIR, LAST_DIR, BEST_FILE = "drafter_best", "drafter_last", "best.json"
+# The best step's walk per held-out reply ({"step", "replies": [{"key", "source", "tau"}]}), beside best.json: a
+# measurement of the same conversations' prompts pairs with it (benchmarks/compare_validation.py).
+REPLIES_FILE = "validation_replies.json"
 PATIENCE = 3            # validations without a new best (while training's estimate rises) before the warning
 EPOCHS_WARN = 4.0       # more passes than this over the data: the start-up line warns of memorisation
 
@@ -56,24 +59,30 @@ class ValidationRows:
     documents: int                  # held-out conversations the rows hold
     tokens: int                     # real (non-padding) tokens in the rows
     doc_sources: list[list[str]] = field(default_factory=list)  # per row, each document's source (a data.mix)
+    doc_keys: list[list[str]] = field(default_factory=list)     # per row, each document's conversation key
 
 
 def validation_rows(heldout: list[Sample], token_budget: int, num_anchors: int, max_rows: int, pad_id: int = 0,
-                    sources: list[str] | None = None):
+                    sources: list[str] | None = None, keys: list[str] | None = None):
     """Up to max_rows rows of held-out samples, packed in order like training rows, and batches that hold every
     valid anchor of each row in order, num_anchors per batch (the last one padded with invalid anchors). Rows
-    without any valid anchor (nothing supervised) are skipped. -> (rows, batches, row_of, doc_sources): with
-    `sources` (one per sample), each kept row's documents' sources, by document id; else []."""
-    labels = [src for sample, src in zip(heldout, sources or []) if sample.input_ids]  # packing skips empty ones
-    rows, batches, row_of, doc_sources, used = [], [], [], [], 0
+    without any valid anchor (nothing supervised) are skipped. -> (rows, batches, row_of, doc_sources, doc_keys):
+    with `sources` / `keys` (one per sample), each kept row's documents' sources / keys, by document id; else []."""
+    nonempty = [bool(sample.input_ids) for sample in heldout]  # packing skips empty samples
+    labels = [src for src, ok in zip(sources or [], nonempty) if ok]
+    key_labels = [k for k, ok in zip(keys or [], nonempty) if ok]
+    rows, batches, row_of, doc_sources, doc_keys, used = [], [], [], [], [], 0
     for row in pack_samples(heldout, token_budget, pad_id):
         n_docs = int(row.doc_ids.max()) + 1
-        row_sources, used = labels[used:used + n_docs], used + n_docs  # packing keeps the samples' order
+        row_sources, row_keys = labels[used:used + n_docs], key_labels[used:used + n_docs]  # samples' order kept
+        used += n_docs
         anchors = valid_anchor_positions(row.loss_mask, row.doc_ids).nonzero().flatten()
         if anchors.numel() == 0:
             continue
         if labels:
             doc_sources.append(row_sources)
+        if key_labels:
+            doc_keys.append(row_keys)
         for s in range(0, anchors.numel(), num_anchors):
             chunk = anchors[s:s + num_anchors]
             a = torch.zeros(num_anchors, dtype=torch.long)
@@ -85,22 +94,24 @@ def validation_rows(heldout: list[Sample], token_budget: int, num_anchors: int, 
         rows.append(row)
         if len(rows) >= max_rows:
             break
-    return rows, batches, row_of, doc_sources
+    return rows, batches, row_of, doc_sources, doc_keys
 
 
 @torch.no_grad()
 def build_validation_rows(heldout: list[Sample], cfg, target, device: torch.device, pad_id: int = 0,
-                          features=None, sources: list[str] | None = None) -> ValidationRows | None:
+                          features=None, sources: list[str] | None = None,
+                          keys: list[str] | None = None) -> ValidationRows | None:
     """The run's fixed validation rows with their target features, on `device`; None (and a log line saying why)
     when validation is off or there is nothing held out. `features(ids, pos, doc) -> [T, k*H]` defaults to
     target.features on the target's device. sources: each held-out sample's source (DatasetSplit.heldout_sources),
-    for decoding's tau by source."""
+    for decoding's tau by source. keys: each held-out sample's conversation key (DatasetSplit.heldout_keys), to pair
+    the best step's replies with measured prompts (REPLIES_FILE)."""
     t = cfg.train
     if t.eval_every <= 0 or t.eval_rows <= 0:
         log.info("validation: off (train.eval_every or train.eval_rows is 0)")
         return None
-    rows, batches, row_of, doc_sources = validation_rows(heldout, t.token_budget, t.num_anchors, t.eval_rows, pad_id,
-                                                         sources)
+    rows, batches, row_of, doc_sources, doc_keys = validation_rows(heldout, t.token_budget, t.num_anchors,
+                                                                   t.eval_rows, pad_id, sources, keys)
     if not rows:
         log.warning("validation: off, the run has no held-out conversations (raise data.heldout_fraction to "
                     "see how the drafter does on data it never trains on)")
@@ -120,7 +131,7 @@ def build_validation_rows(heldout: list[Sample], cfg, target, device: torch.devi
              f"~{len(batches) / (3 * t.eval_every):.1%} of the training compute")
     move = lambda x: x.to(device)  # noqa: E731
     rows = [PackedRow(*map(move, (r.input_ids, r.position_ids, r.doc_ids, r.loss_mask))) for r in rows]
-    return ValidationRows(rows, [b.to(device) for b in batches], row_of, feats, docs, tokens, doc_sources)
+    return ValidationRows(rows, [b.to(device) for b in batches], row_of, feats, docs, tokens, doc_sources, doc_keys)
 
 
 def decoding_tau(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch.Tensor) -> list[float]:
@@ -160,14 +171,16 @@ def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor | flo
         ok = batch.anchor_valid.cpu()
         accept[r][batch.anchors.cpu()[ok]] = out["accept_len"].cpu()[ok].long()  # .cpu(): a host sync, here only
     metrics = window.take()
-    walks = []  # (source, tau) per held-out reply; source "" without a mix
+    walks = []  # (source, key, tau) per held-out reply; source "" without a mix, key None when unknown
     for i, (row, acc) in enumerate(zip(rows.rows, accept)):
         for doc, tau in decoding_walks(row.loss_mask.cpu(), row.doc_ids.cpu(), acc):
-            walks.append((rows.doc_sources[i][doc] if rows.doc_sources else "", tau))
-    metrics["tau_decoding"] = _mean([tau for _, tau in walks])
-    if len({src for src, _ in walks}) > 1:  # a mix: the same walk, averaged per source
-        metrics["tau_decoding_by_source"] = {src: _mean([t for s2, t in walks if s2 == src])
-                                             for src in sorted({src for src, _ in walks})}
+            walks.append((rows.doc_sources[i][doc] if rows.doc_sources else "",
+                          rows.doc_keys[i][doc] if rows.doc_keys else None, tau))
+    metrics["tau_decoding"] = _mean([tau for _, _, tau in walks])
+    if len({src for src, _, _ in walks}) > 1:  # a mix: the same walk, averaged per source
+        metrics["tau_decoding_by_source"] = {src: _mean([t for s2, _, t in walks if s2 == src])
+                                             for src in sorted({src for src, _, _ in walks})}
+    metrics["replies"] = [{"key": k, "source": s, "tau": t} for s, k, t in walks]
     return metrics
 
 
@@ -218,9 +231,10 @@ class Validator:
         metrics = evaluate_rows(step_fn, self.rows)
         tau = float(metrics.pop("tau_decoding"))
         by_source = metrics.pop("tau_decoding_by_source", None)
+        replies = metrics.pop("replies")
         improved = self.best is None or tau > self.best["value"]
         if improved:
-            self._save_best(step, tau, drafter, by_source)
+            self._save_best(step, tau, drafter, by_source, replies)
         self.seconds += time.perf_counter() - t0
         rec = self.logger.log_val(step, metrics, {"tau_decoding": tau, "best_step": self.best["step"],
                                                   "best_tau_decoding": self.best["value"],
@@ -243,9 +257,10 @@ class Validator:
         except (ValueError, KeyError, TypeError):
             return None
 
-    def _save_best(self, step: int, value: float, drafter, by_source: dict | None = None) -> None:
-        """drafter_best/ replaced whole (written beside it, then renamed), best.json after it: a crash never pairs a
-        best.json with other weights than the ones it names."""
+    def _save_best(self, step: int, value: float, drafter, by_source: dict | None = None,
+                   replies: list[dict] | None = None) -> None:
+        """drafter_best/ replaced whole (written beside it, then renamed), the step's replies (REPLIES_FILE), then
+        best.json: a crash never pairs a best.json with other weights than the ones it names."""
         final, tmp = self.out_dir / BEST_DIR, self.out_dir / f".{BEST_DIR}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         save_drafter(drafter, tmp)
@@ -255,6 +270,10 @@ class Validator:
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
+        if replies is not None:
+            tmp_replies = self.out_dir / f".{REPLIES_FILE}.tmp"
+            tmp_replies.write_text(json.dumps({"step": step, "replies": replies}) + "\n")
+            os.replace(tmp_replies, self.out_dir / REPLIES_FILE)
         self.best = {"metric": BEST_METRIC, "step": step, "value": value}
         if by_source:
             self.best["by_source"] = by_source  # decoding's walk per source at that step (a data.mix)
