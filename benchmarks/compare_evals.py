@@ -7,9 +7,9 @@ Each file is an evaluation report (`dflash-train eval` or a run's eval_final/eva
 eval_yardstick.json), or a run's validation_replies.json: validation's decoding walk per held-out reply at the best
 step, keyed by conversation, so that `compare_evals.py RUN/validation_replies.json RUN/eval_heldout/eval.json` sets
 the estimate against the measured tau on the same conversations (the demo measures the first held-out ShareGPT
-conversations, which validation's rows hold too). Prompts are paired by id (by position when the reports carry none). Per report: mean tau and
-the standard error of that mean over prompts (how far another set of prompts of the same kinds could move it). Per
-OTHER: the mean of the per-prompt differences OTHER - BASE and its standard error. The prompts differ far more
+conversations, which validation's rows hold too). Prompts are paired by id (by position when the reports carry
+none). Per report: mean tau and the standard error of that mean over prompts (how far another set of prompts of the
+same kinds could move it). Per OTHER: the mean of the per-prompt differences OTHER - BASE and its standard error. The prompts differ far more
 from each other than two drafters differ on one prompt, so the paired error is the smaller one by far. Standard
 library only.
 """

@@ -224,7 +224,8 @@ def test_spread_order_is_a_permutation_whose_blocks_share_every_suffix_of_ids_ev
 
     order = spread_order(n, block, random.Random(1))
     assert sorted(order) == list(range(n))
-    assert order == spread_order(n, block, random.Random(1)) and (n < 3 or order != spread_order(n, block, random.Random(2)))
+    assert order == spread_order(n, block, random.Random(1))  # seeded
+    assert n < 3 or order != spread_order(n, block, random.Random(2))
     full = [order[i:i + block] for i in range(0, n - block + 1, block) if n >= block]
     full = [b for b in full if len(b) == block][: n // block]
     for c in range(0, n, max(1, n // 37)):

@@ -50,8 +50,8 @@ GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenera
                  "train.token_budget=8192", "train.num_anchors=1024", "train.lr=4e-3", "train.warmup_ratio=0.04",
                  "train.max_steps=null", "train.epochs=10", "train.max_minutes=10.5",
                  "train.log_every=100", "train.eval_every=500", "train.eval_rows=4", "train.checkpoint_every=2000",
-                 "train.final_eval_prompts=0", "train.feature_cache_gb=100", "model.num_draft_layers=5", "model.drafter_layer_init=target",
-                 "model.target_attention=flex",
+                 "train.final_eval_prompts=0", "train.feature_cache_gb=100",
+                 "model.num_draft_layers=5", "model.drafter_layer_init=target", "model.target_attention=flex",
                  "model.target_graphs=true", "model.target_compile=default"]
 # The GPU demo's promise is the whole command in 20 minutes on one H200. Training gets what the data step leaves:
 # DEMO_MINUTES minus the time so far and what still follows the training budget (demo-j, 2026-12-03: 63 s from the

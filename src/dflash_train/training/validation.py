@@ -44,7 +44,7 @@ log = logging.getLogger("dflash_train")
 BEST_METRIC = "val_tau_decoding"  # picks drafter/: the acceptance length decoding would reach on held-out replies
 BEST_DIR, LAST_DIR, BEST_FILE = "drafter_best", "drafter_last", "best.json"
 # The best step's walk per held-out reply ({"step", "replies": [{"key", "source", "tau"}]}), beside best.json: a
-# measurement of the same conversations' prompts pairs with it (benchmarks/compare_validation.py).
+# measurement of the same conversations' prompts pairs with it (benchmarks/compare_evals.py).
 REPLIES_FILE = "validation_replies.json"
 PATIENCE = 3            # validations without a new best (while training's estimate rises) before the warning
 EPOCHS_WARN = 4.0       # more passes than this over the data: the start-up line warns of memorisation
