@@ -19,13 +19,21 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections import Counter
 
 
 def per_prompt(path: str) -> dict[str, float]:
+    """id -> tau. An id held by more than one prompt (ShareGPT keys the parts of one long chat alike) is left out:
+    which of them pairs with which is unknown."""
     report = json.load(open(path))
     if "replies" in report:  # validation_replies.json: replies without a key (synthetic data) cannot be paired
-        return {str(r["key"]): r["tau"] for r in report["replies"] if r["key"] is not None}
-    return {str(p.get("id", i)): p["tau"] for i, p in enumerate(report["prompts"])}
+        pairs = [(str(r["key"]), r["tau"]) for r in report["replies"] if r["key"] is not None]
+    else:
+        pairs = [(str(p.get("id", i)), p["tau"]) for i, p in enumerate(report["prompts"])]
+    counts = Counter(k for k, _ in pairs)
+    if dup := sorted(k for k, n in counts.items() if n > 1):
+        print(f"{path}: {len(dup)} id(s) held by several prompts, left out: {', '.join(dup[:5])}")
+    return {k: tau for k, tau in pairs if counts[k] == 1}
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:

@@ -352,11 +352,14 @@ def test_the_best_steps_replies_are_kept_by_key_and_pair_with_a_measurement(tiny
     assert all(r["tau"] == pytest.approx(4) for r in kept["replies"])  # every block accepted 4 at step 20
     # a measurement of some of those conversations, 0.5 lower on each: paired, the difference is exactly -0.5
     measured = [{"id": r["key"], "tau": r["tau"] - 0.5} for r in kept["replies"][:3]]
-    (tmp_path / "eval.json").write_text(json.dumps({"prompts": measured + [{"id": "elsewhere", "tau": 9.0}]}))
+    twice = kept["replies"][3]["key"]  # an id two prompts share (parts of one chat): which pairs is unknown
+    others = [{"id": "elsewhere", "tau": 9.0}, {"id": twice, "tau": 1.0}, {"id": twice, "tau": 7.0}]
+    (tmp_path / "eval.json").write_text(json.dumps({"prompts": measured + others}))
     _sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
         import compare_evals
     finally:
         _sys.path.pop(0)
     compare_evals.main([str(out / REPLIES_FILE), str(tmp_path / "eval.json")])
-    assert "paired difference over 3 prompts -0.500" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "paired difference over 3 prompts -0.500" in printed and f"left out: {twice}" in printed
