@@ -409,3 +409,26 @@ def test_the_demo_table_counts_the_epochs_its_steps_made_not_its_schedule(tmp_pa
     d = DemoResult(tmp_path, "cuda:0", {}, 17346, 8192, 60.0, 3.0, None, data, None,
                    {"setup": 1, "regenerate": 0, "train": 60, "evaluate": 5}, 70.0)
     assert "; 6.4 epochs trained" in d.table()
+
+
+def test_the_demo_table_sets_validation_against_the_measurement_on_the_same_conversations(tmp_path):
+    """validation_replies.json and eval_heldout/eval.json of one run paired by conversation (ids held twice left
+    out), printed under the estimates: whether validation's walk reads what decoding measures, prompt by prompt."""
+    from dflash_train.demo import DemoResult, paired_validation
+
+    assert paired_validation(tmp_path) is None  # before the held-out measurement
+    replies = [{"key": "a", "source": "regenerated", "tau": 4.0}, {"key": "b", "source": "regenerated", "tau": 3.0},
+               {"key": "c", "source": "self_regenerated", "tau": 5.0}, {"key": "d", "source": "regenerated",
+                                                                        "tau": 9.0}]
+    (tmp_path / "validation_replies.json").write_text(json.dumps({"step": 10, "replies": replies}))
+    (tmp_path / "eval_heldout").mkdir()
+    prompts = [{"id": "a", "tau": 3.5}, {"id": "b", "tau": 2.0}, {"id": "x", "tau": 8.0},
+               {"id": "d", "tau": 1.0}, {"id": "d", "tau": 2.0}]   # "d" twice: the parts of one chat
+    (tmp_path / "eval_heldout" / "eval.json").write_text(json.dumps({"prompts": prompts}))
+    paired = paired_validation(tmp_path)
+    assert paired["pairs"] == 2 and paired["walk"] == 3.5 and paired["measured"] == 2.75
+    assert paired["difference"] == -0.75 and paired["se"] == pytest.approx(0.25)
+    d = DemoResult(tmp_path, "cuda:0", {}, 12, 128, 60.0, 3.0, None, {}, None,
+                   {"setup": 1, "regenerate": 0, "train": 60, "evaluate": 5}, 70.0, paired)
+    assert ("validation vs measured on the same 2 held-out conversations: walk 3.50, decoded 2.75 (difference "
+            "-0.75 ± 0.25)") in d.table()

@@ -96,6 +96,7 @@ class DemoResult:
     regen: dict | None      # the regeneration's stats (None: no regeneration ran)
     phases: dict            # seconds per phase
     wall_s: float
+    paired: dict | None = None  # validation's walk against the held-out measurement on the same conversations
 
     def table(self) -> str:
         return format_demo_table(self)
@@ -226,7 +227,7 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
         demo = DemoResult(Path(result.out_dir), str(dev), evals, result.steps,
                           cfg.train.token_budget * len(cfg.pipeline.drafter_devices), phases["train"],
                           last.get("tau_est"), result.best, result.data, regen, phases,
-                          time.perf_counter() - t_start)
+                          time.perf_counter() - t_start, paired_validation(Path(result.out_dir)))
         out_dir = Path(result.out_dir)
         (out_dir / "demo.json").write_text(json.dumps(dataclasses.asdict(demo), default=str, indent=2) + "\n")
         (out_dir / "demo.txt").write_text(demo.table() + "\n")
@@ -242,6 +243,17 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
                 evals[name] = dict(report.summary(), new_tokens=new_tokens)
                 written()
     return written()
+
+
+def paired_validation(out_dir: Path) -> dict | None:
+    """The best step's walk per held-out conversation (REPLIES_FILE) against the held-out measurement
+    (eval_heldout/eval.json) on the conversations both hold; None before that measurement or without keys."""
+    from .training.validation import REPLIES_FILE, paired_with_measured
+
+    replies, report = out_dir / REPLIES_FILE, out_dir / "eval_heldout" / "eval.json"
+    if not (replies.is_file() and report.is_file()):
+        return None
+    return paired_with_measured(json.loads(replies.read_text())["replies"], json.loads(report.read_text())["prompts"])
 
 
 class eval_threads:
@@ -287,6 +299,11 @@ def format_demo_table(d: DemoResult) -> str:
         est.insert(0, f"validation {d.best['value']:.2f} ({sources}decoding's walk over held-out replies, best step "
                       f"{d.best['step']:,} of {d.steps:,}: the drafter measured above)")
     lines.append("  tau estimates: " + "; ".join(est))
+    if pr := d.paired:  # the estimate's honesty, prompt by prompt: the same conversations walked and decoded
+        se = f" ± {pr['se']:.2f}" if pr["se"] is not None else ""
+        lines.append(f"  validation vs measured on the same {pr['pairs']} held-out conversation"
+                     f"{'s' if pr['pairs'] != 1 else ''}: walk "
+                     f"{pr['walk']:.2f}, decoded {pr['measured']:.2f} (difference {pr['difference']:+.2f}{se})")
     data = d.data or {}
     if data:
         lines.append(f"  data: {data['conversations']:,} conversations, {data['unique_tokens']:,} unique tokens "

@@ -184,6 +184,27 @@ def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor | flo
     return metrics
 
 
+def paired_with_measured(replies: list[dict], prompts: list[dict]) -> dict | None:
+    """Validation's walk (REPLIES_FILE's replies: key, tau) against a measurement's prompts (an eval report's: id,
+    tau) on the conversations both hold. An id held twice on either side is left out (ShareGPT keys the parts of one
+    chat alike: which pairs with which is unknown). -> {"pairs", "walk", "measured", "difference", "se"} (difference
+    = measured - walk, se its standard error over the pairs), or None when nothing pairs."""
+    def unique(items: list[tuple]) -> dict:
+        counts = Counter(k for k, _ in items)
+        return {k: v for k, v in items if k is not None and counts[k] == 1}
+
+    walk = unique([(r.get("key"), r["tau"]) for r in replies])
+    measured = unique([(p.get("id"), p["tau"]) for p in prompts])
+    keys = [k for k in measured if k in walk]
+    if not keys:
+        return None
+    diffs = [measured[k] - walk[k] for k in keys]
+    mean = _mean(diffs)
+    se = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5 if len(diffs) > 1 else None
+    return {"pairs": len(keys), "walk": _mean([walk[k] for k in keys]),
+            "measured": _mean([measured[k] for k in keys]), "difference": mean, "se": se}
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
