@@ -254,3 +254,35 @@ def test_row_features_keep_the_first_rows_that_fit_and_serve_them_again():
     assert calls == [0, 1, 2, 2, 2]  # rows 0 and 1 once, row 2 once a pass
     assert rows.computed == 5 and rows.served == 4  # rows 0 and 1 in passes two and three
     assert "kept 2 rows" in rows.summary()
+
+
+def test_row_features_spill_the_rows_past_the_device_budget_to_host_memory():
+    """train.feature_cache_host_gb: the first rows fill the device's share, the next ones the host's, the rest are
+    computed every pass; a host row comes back on the rows' device with the same values."""
+    from dflash_train.models.target import RowFeatures
+
+    row_bytes = 4 * 6 * 4
+    rows = RowFeatures(lambda index: index % 4, budget_bytes=1 * row_bytes, host_budget_bytes=2 * row_bytes)
+    calls = []
+
+    def compute(row):
+        calls.append(row)
+        return torch.full((4, 6), float(row))
+
+    served = {}
+    for index in range(12):  # three passes over four rows, one batch a row
+        feats = rows(index, lambda: compute(index % 4))
+        assert torch.equal(feats, torch.full((4, 6), float(index % 4)))
+        served.setdefault(index % 4, []).append(feats)
+    assert rows.capacity == 1 and rows.host_capacity == 2
+    assert sorted(rows.kept) == [0] and sorted(rows.kept_host) == [1, 2]
+    assert calls == [0, 1, 2, 3, 3, 3]  # row 3 fits nowhere
+    assert rows.computed == 6 and rows.served == 6 and rows.served_host == 4
+    assert served[0][1] is served[0][0] and served[1][1].device == served[1][0].device  # back on the rows' device
+    assert "+ 2 in host memory" in rows.summary() and "4 rows served from there" in rows.summary()
+    rows.release()
+    assert not rows.kept and not rows.kept_host
+    only_host = RowFeatures(lambda index: index % 2, budget_bytes=0, host_budget_bytes=5 * row_bytes)
+    for index in range(4):
+        only_host(index, lambda: compute(index % 2))
+    assert only_host.capacity == 0 and sorted(only_host.kept_host) == [0, 1] and only_host.computed == 2

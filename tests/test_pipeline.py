@@ -146,6 +146,11 @@ def test_feature_cache_runs_the_target_once_a_row_and_trains_the_same_steps(tiny
     assert none.target_forwards == [12]
     assert [{k: h[k] for k in METRICS} for h in kept.history] == [{k: h[k] for k in METRICS} for h in none.history]
     assert_same_weights(kept.drafter_dir, none.drafter_dir)
+    host = train_pipeline(cfg_for(tiny_llama, tmp_path / "host", **small, **{"train.feature_cache_gb": 0,
+                                                                            "train.feature_cache_host_gb": 1}))
+    assert host.target_forwards == [rows]  # every row kept in host memory: the same rows, the same steps
+    assert f"+ {rows} in host memory" in (tmp_path / "host" / "run.log").read_text()
+    assert [{k: h[k] for k in METRICS} for h in host.history] == [{k: h[k] for k in METRICS} for h in none.history]
     old = torch.get_num_threads()
     torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
     try:

@@ -292,6 +292,12 @@ class TrainConfig:
                                       "token_budget x taps x hidden x 2 bytes (bf16): 47 MB for SmolLM2 at 8,192 "
                                       "tokens. With several target devices each keeps the rows it computed "
                                       "first.")
+    feature_cache_host_gb: float = _f(0.0, "GiB of host memory (per target device) that keep the rows past "
+                                           "train.feature_cache_gb, copied back to the device for their batches in "
+                                           "the target worker's thread (plain memory, copied synchronously; not yet "
+                                           "timed on a GPU; capped at the memory the OS reports available less "
+                                           "8 GiB). Fixes "
+                                           "the rows as feature_cache_gb does; either may be 0. 0 = off.")
     warmup_ratio: float = _f(0.04, "Fraction of steps spent in linear warm-up before the cosine decay.")
     min_lr_ratio: float = _f(0.0, "Cosine schedule ends at lr * min_lr_ratio.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 = off).")
@@ -416,6 +422,8 @@ class TrainConfig:
         if self.compile_cache_dir is not None and Path(self.compile_cache_dir).expanduser().is_file():
             raise ConfigError(f"train.compile_cache_dir {self.compile_cache_dir!r} is a file, not a directory; "
                               "choose another train.compile_cache_dir, or leave it empty.")
+        _require(self.feature_cache_host_gb >= 0, "train.feature_cache_host_gb", self.feature_cache_host_gb,
+                 "0 (off) or a positive number of GiB")
         if not self.feature_cache_gb >= 0:
             raise ConfigError(f"train.feature_cache_gb must be 0 (off) or a positive number of GiB "
                               f"(got {self.feature_cache_gb}).")

@@ -357,6 +357,18 @@ def load_target(target: str | None, layer_ids: list[int] | None = None, num_feat
     return TargetModel(hf, ids, truncate=truncate, final_hidden=final_hidden)
 
 
+def host_memory_available() -> float:
+    """Bytes of host memory the OS reports available (MemAvailable on Linux); infinity where it cannot say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
 class RowFeatures:
     """A row's target features, computed once for all the batches that train on it.
 
@@ -367,18 +379,29 @@ class RowFeatures:
     recur in a fresh random order each epoch, where no eviction policy would do better. On CUDA the budget is capped
     at the device's free memory (the driver's, plus what this process's allocator holds unused) less CUDA_HEADROOM
     when the first row is known. A returned tensor is never written after it is computed (FeatureForward returns a
-    fresh one), so one tensor serves every batch of its row."""
+    fresh one), so one tensor serves every batch of its row.
+
+    With host_budget_bytes (train.feature_cache_host_gb) the rows past the device's share are kept in host memory,
+    as many as that holds, and copied back to the device for their batches: plain (pageable) memory, copied in the
+    calling thread (the target worker, which waits for room in its queue most of the time while the drafter
+    trains); the copies are not yet timed on a GPU."""
 
     CUDA_HEADROOM = 8 * 2**30
+    HOST_HEADROOM = 8 * 2**30  # host memory left to the rest of the process and the machine
 
-    def __init__(self, row_of, budget_bytes: float = 0, name: str = "target"):
+    def __init__(self, row_of, budget_bytes: float = 0, name: str = "target", host_budget_bytes: float = 0):
         self.row_of, self.budget_bytes, self.name = row_of, budget_bytes, name
+        self.host_budget_bytes = host_budget_bytes
         self._row: int | None = None
         self._feats: torch.Tensor | None = None
         self.kept: dict[int, torch.Tensor] = {}
-        self.capacity: int | None = None  # rows that may be kept; decided by the first row's size
-        self.computed = 0  # forwards run (tests count them)
-        self.served = 0    # batches served from a kept row without a forward
+        self.kept_host: dict[int, torch.Tensor] = {}  # rows past the device's share, in host memory
+        self._device: torch.device | None = None      # where the rows are computed (and host rows go back to)
+        self.capacity: int | None = None  # rows that may be kept on the device; decided by the first row's size
+        self.host_capacity = 0            # rows that may be kept in host memory; decided with capacity
+        self.computed = 0     # forwards run (tests count them)
+        self.served = 0       # batches served from a kept row without a forward (either memory)
+        self.served_host = 0  # of which from host memory
 
     def __call__(self, index: int, compute) -> torch.Tensor:
         row = self.row_of(index)
@@ -387,17 +410,26 @@ class RowFeatures:
         feats = self.kept.get(row)
         if feats is not None:
             self.served += 1
+        elif (host := self.kept_host.get(row)) is not None:
+            self._row, self._feats = None, None
+            feats = host.to(self._device)  # a fresh device tensor (a CPU run: the copy itself; rows are never written)
+            self.served += 1
+            self.served_host += 1
         else:
             self._row, self._feats = None, None  # the last row's tensor is not kept alive during the forward
             feats = compute()
             self.computed += 1
-            if self.budget_bytes and len(self.kept) < self._capacity_for(feats):
-                self.kept[row] = feats
+            if self.budget_bytes or self.host_budget_bytes:
+                if len(self.kept) < self._capacity_for(feats):
+                    self.kept[row] = feats
+                elif len(self.kept_host) < self.host_capacity:
+                    self.kept_host[row] = feats.to("cpu", copy=True)
         self._row, self._feats = row, feats
         return feats
 
     def _capacity_for(self, feats: torch.Tensor) -> int:
         if self.capacity is None:
+            self._device = feats.device
             row_bytes = feats.numel() * feats.element_size()
             budget = self.budget_bytes
             if feats.device.type == "cuda":  # the driver's free memory and what this process's allocator holds idle
@@ -405,22 +437,30 @@ class RowFeatures:
                 idle = torch.cuda.memory_reserved(feats.device) - torch.cuda.memory_allocated(feats.device)
                 budget = min(budget, max(0, free + idle - self.CUDA_HEADROOM))
             self.capacity = int(budget // row_bytes)
-            what = ("their later epochs run no target forward" if self.capacity else
+            self.host_capacity = int(min(self.host_budget_bytes, host_memory_available() - self.HOST_HEADROOM)
+                                     // row_bytes) if self.host_budget_bytes else 0
+            self.host_capacity = max(0, self.host_capacity)
+            where = f" and {self.host_capacity} in host memory" if self.host_budget_bytes else ""
+            what = ("their later epochs run no target forward" if self.capacity + self.host_capacity else
                     "not one row fits, every row is computed every epoch")
             log.info(f"{self.name}: feature cache of {self.capacity} rows ({self.capacity * row_bytes / 2**30:.1f} "
-                     f"GiB, {row_bytes / 2**20:.1f} MiB a row) on {feats.device}: {what}")
+                     f"GiB, {row_bytes / 2**20:.1f} MiB a row) on {feats.device}{where}: {what}")
         return self.capacity
 
     def release(self) -> None:
         """Drop every kept row (the end of training): what runs next in the process, the demo's measurement, gets the
         memory back even while something still refers to this object."""
         self.kept.clear()
+        self.kept_host.clear()
         self._row, self._feats = None, None
 
     def summary(self) -> str:
         """One line for the end of the run: what the cache kept and saved."""
         kept = sum(t.numel() * t.element_size() for t in self.kept.values())
-        return (f"{self.name}: feature cache kept {len(self.kept)} rows ({kept / 2**30:.1f} GiB); "
+        host = sum(t.numel() * t.element_size() for t in self.kept_host.values())
+        in_host = (f" + {len(self.kept_host)} in host memory ({host / 2**30:.1f} GiB; {self.served_host} rows served "
+                   "from there)" if self.host_budget_bytes else "")
+        return (f"{self.name}: feature cache kept {len(self.kept)} rows ({kept / 2**30:.1f} GiB){in_host}; "
                 f"{self.computed} target forwards, {self.served} rows served from the cache")
 
 

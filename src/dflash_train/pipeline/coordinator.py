@@ -162,7 +162,8 @@ class _Pipeline:
         warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
         self.targets = [TargetWorker(i, c, t, d, batches, feats, warm, graphs=cfg.model.target_graphs,
                                      compile=cfg.model.target_compile, row_of=self.run_setup.schedule.row_of,
-                                     feature_cache_bytes=cfg.train.feature_cache_gb * 2**30)
+                                     feature_cache_bytes=cfg.train.feature_cache_gb * 2**30,
+                                     feature_cache_host_bytes=cfg.train.feature_cache_host_gb * 2**30)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]
         # The drafters' clocks exist before the drafters: the reporter that replica 0 holds reads all of them.
         clocks = [StageClock(d) for d in drafter_devices]
@@ -218,7 +219,7 @@ class _Pipeline:
             if self.cfg.run.plots:
                 write_training_plots(self.run_setup.out_dir, self.logger.history, self.logger.val_history)
             log.info(self.validator.summary(d0.steps_done, self.budget.elapsed_s))
-        if self.cfg.train.feature_cache_gb:
+        if self.cfg.train.feature_cache_gb or self.cfg.train.feature_cache_host_gb:
             for t in self.targets:
                 log.info(t.rows.summary())
                 t.rows.release()

@@ -35,10 +35,10 @@ class TargetWorker(Worker):
     def __init__(self, index: int, control: RunControl, target: TargetModel,
                  device: torch.device, inbox: queue.Queue, out: queue.Queue, warmup: TrainBatch,
                  graphs: bool = False, compile: str = "eager", row_of=lambda index: index,
-                 feature_cache_bytes: float = 0):
+                 feature_cache_bytes: float = 0, feature_cache_host_bytes: float = 0):
         super().__init__(f"target{index}", control, device)
         # a row's batches share one forward (train.steps_per_row); kept rows every epoch's (train.feature_cache_gb)
-        self.rows = RowFeatures(row_of, feature_cache_bytes, self.name)
+        self.rows = RowFeatures(row_of, feature_cache_bytes, self.name, feature_cache_host_bytes)
         self.target, self.inbox, self.out, self.warmup = target, inbox, out, warmup
         self.graphs = graphs  # model.target_graphs: one CUDA graph per row instead of a Python forward
         self.compile = compile  # model.target_compile: eager | a torch.compile mode

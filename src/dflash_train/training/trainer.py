@@ -83,7 +83,8 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     window = StepWindow()  # the steps since the last log line
     # a row's batches share one target forward (train.steps_per_row), kept rows every epoch's (train.feature_cache_gb)
-    rows = RowFeatures(setup.schedule.row_of, cfg.train.feature_cache_gb * 2**30)
+    rows = RowFeatures(setup.schedule.row_of, cfg.train.feature_cache_gb * 2**30,
+                       host_budget_bytes=cfg.train.feature_cache_host_gb * 2**30)
     try:
         # the heap frozen and the collector timed for the loop (training/heap.py); leaving ckpt waits for the write
         # in flight: its error is raised (logged if another leaves)
@@ -123,7 +124,7 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     if cfg.run.plots:
         write_training_plots(setup.out_dir, logger.history, logger.val_history)
     log.info(validator.summary(step, budget.elapsed_s))
-    if cfg.train.feature_cache_gb:
+    if cfg.train.feature_cache_gb or cfg.train.feature_cache_host_gb:
         log.info(rows.summary())
     if memory := peak_memory_line([device]):
         log.info(memory)
