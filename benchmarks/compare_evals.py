@@ -9,9 +9,10 @@ step, keyed by conversation, so that `compare_evals.py RUN/validation_replies.js
 the estimate against the measured tau on the same conversations (the demo measures the first held-out ShareGPT
 conversations, which validation's rows hold too). Prompts are paired by id (by position when the reports carry
 none). Per report: mean tau and the standard error of that mean over prompts (how far another set of prompts of the
-same kinds could move it). Per OTHER: the mean of the per-prompt differences OTHER - BASE and its standard error. The prompts differ far more
-from each other than two drafters differ on one prompt, so the paired error is the smaller one by far. Standard
-library only.
+same kinds could move it). Per OTHER: the mean of the per-prompt differences OTHER - BASE and its standard error.
+The prompts differ far more from each other than two drafters differ on one prompt, so the paired error is the
+smaller one by far. Standard library only (so it does not call training/validation.py's paired_with_measured, which
+pairs the same way for the demo's table).
 """
 
 from __future__ import annotations

@@ -375,6 +375,11 @@ class TrainConfig:
     nonfinite: str = _f("skip", "A step whose loss or gradients are NaN/Inf: skip (no update on any replica; the step "
                                 "is counted in the log line and the result) | stop (the run stops naming the step).")
 
+    @property
+    def keeps_features(self) -> bool:
+        """The feature cache is on (either tier): rows are fixed across epochs and RowFeatures keeps some."""
+        return self.feature_cache_gb > 0 or self.feature_cache_host_gb > 0
+
     def __post_init__(self):
         if self.token_budget < 4:
             raise ConfigError("train.token_budget must be at least 4.")

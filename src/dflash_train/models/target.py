@@ -437,9 +437,8 @@ class RowFeatures:
                 idle = torch.cuda.memory_reserved(feats.device) - torch.cuda.memory_allocated(feats.device)
                 budget = min(budget, max(0, free + idle - self.CUDA_HEADROOM))
             self.capacity = int(budget // row_bytes)
-            self.host_capacity = int(min(self.host_budget_bytes, host_memory_available() - self.HOST_HEADROOM)
-                                     // row_bytes) if self.host_budget_bytes else 0
-            self.host_capacity = max(0, self.host_capacity)
+            host = min(self.host_budget_bytes, host_memory_available() - self.HOST_HEADROOM)
+            self.host_capacity = int(max(0, host) // row_bytes)
             where = f" and {self.host_capacity} in host memory" if self.host_budget_bytes else ""
             what = ("their later epochs run no target forward" if self.capacity + self.host_capacity else
                     "not one row fits, every row is computed every epoch")

@@ -219,7 +219,7 @@ class _Pipeline:
             if self.cfg.run.plots:
                 write_training_plots(self.run_setup.out_dir, self.logger.history, self.logger.val_history)
             log.info(self.validator.summary(d0.steps_done, self.budget.elapsed_s))
-        if self.cfg.train.feature_cache_gb or self.cfg.train.feature_cache_host_gb:
+        if self.cfg.train.keeps_features:
             for t in self.targets:
                 log.info(t.rows.summary())
                 t.rows.release()

@@ -92,7 +92,7 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
                      f"(train.epochs={t.epochs:g})")
     schedule = BatchSchedule(data.train, cfg.train.token_budget, cfg.train.num_anchors, cfg.train.seed,
                              total_steps * batches_per_step, pad_id, repeats=t.steps_per_row,
-                             fixed_rows=t.feature_cache_gb > 0 or t.feature_cache_host_gb > 0)
+                             fixed_rows=t.keeps_features)
     if cfg.model.drafter_init:
         drafter = load_drafter(cfg.model.drafter_init).float()
     else:

@@ -124,7 +124,7 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     if cfg.run.plots:
         write_training_plots(setup.out_dir, logger.history, logger.val_history)
     log.info(validator.summary(step, budget.elapsed_s))
-    if cfg.train.feature_cache_gb or cfg.train.feature_cache_host_gb:
+    if cfg.train.keeps_features:
         log.info(rows.summary())
     if memory := peak_memory_line([device]):
         log.info(memory)

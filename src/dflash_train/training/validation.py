@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import shutil
+import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -199,10 +200,9 @@ def paired_with_measured(replies: list[dict], prompts: list[dict]) -> dict | Non
     if not keys:
         return None
     diffs = [measured[k] - walk[k] for k in keys]
-    mean = _mean(diffs)
-    se = (sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)) ** 0.5 if len(diffs) > 1 else None
+    se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
     return {"pairs": len(keys), "walk": _mean([walk[k] for k in keys]),
-            "measured": _mean([measured[k] for k in keys]), "difference": mean, "se": se}
+            "measured": _mean([measured[k] for k in keys]), "difference": _mean(diffs), "se": se}
 
 
 def _mean(xs: list[float]) -> float:
