@@ -330,9 +330,12 @@ def test_sigterm_stops_cleanly_and_checkpoints(tiny_llama, tmp_path):
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] <= state["step"]
 
 
-def test_compiled_replicas_compile_once_each_and_never_again(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("graph, validation_graphs", [("training", 0), ("own", 1)])
+def test_compiled_replicas_compile_once_each_and_never_again(graph, validation_graphs, tiny_llama, tmp_path,
+                                                             monkeypatch):
     # Each replica has its own code object, so its own graph; both compile during warm-up, and the armed guard fails
-    # any step that recompiles. Replica 0 also compiles validation's forward-only step during warm-up: one more. Inductor's C++ codegen takes 20-90 s on this CPU, so the step is compiled with the
+    # any step that recompiles. With train.validation_graph=own replica 0 also compiles validation's forward-only
+    # step during warm-up (one more); with training (the default) validation compiles nothing. Inductor's C++ codegen takes 20-90 s on this CPU, so the step is compiled with the
     # aot_eager backend: the same dynamo + AOT-autograd path per replica, in seconds. Inductor and CUDA graphs in
     # worker threads are exercised on the GPU (benchmarks/gpu_pipeline_check.py).
     from torch._dynamo.utils import counters
@@ -341,7 +344,8 @@ def test_compiled_replicas_compile_once_each_and_never_again(tiny_llama, tmp_pat
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="aot_eager", dynamic=False))
     before = counters["stats"]["unique_graphs"]
     res = train_pipeline(cfg_for(tiny_llama, tmp_path / "run", drafters=("cpu", "cpu"),
-                                 **{"train.compile": "default", "train.max_steps": 4}))
-    assert counters["stats"]["unique_graphs"] - before == 2 + 1
+                                 **{"train.compile": "default", "train.max_steps": 4,
+                                    "train.validation_graph": graph}))
+    assert counters["stats"]["unique_graphs"] - before == 2 + validation_graphs
     assert len(res.val_history) == 1  # at the end; the guard saw no compile after warm-up
     assert res.steps == 4 and all(c0 == c1 for c0, c1 in res.replica_checksums)

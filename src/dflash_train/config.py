@@ -316,12 +316,13 @@ class TrainConfig:
                                    "probability p to (1 - alpha) * p + alpha before the products (D-PACE's 0.5), so "
                                    "positions the drafter cannot get right yet still train. In [0, 1]: 0 = the "
                                    "plain expected-acceptance gradient, 1 = fixed weights (B-k)/(B-1).")
-    validation_graph: str = _f("own", "What validation's forward runs, compiled: own (a forward-only graph of its own, "
-                                      "compiled at start-up beside the training step) | training (the training "
-                                      "step's compiled forward with autograd recording and no backward: no compile "
-                                      "of its own, the same loss and metrics, ~1/3 more LM-head work in "
-                                      "validation). At the Qwen3-8B shape validation's own graph took 190 s of a "
-                                      "496-s cold start on one H200 (docs/BENCHMARKS.md, fast start).")
+    validation_graph: str = _f("training", "What validation's forward runs, compiled: training (the training step's "
+                                           "compiled forward with autograd recording and no backward: no compile of "
+                                           "its own, the same loss and metrics, ~1/3 more LM-head work in "
+                                           "validation) | own (a forward-only graph of its own, compiled at start-up "
+                                           "beside the training step). At the Qwen3-8B shape on one H200 the own "
+                                           "graph took 190 s of a 496-s cold start; with training the cold start "
+                                           "was 346 s (docs/BENCHMARKS.md, fast start).")
     max_steps: int | None = _f(None, "Stop after this many optimizer steps. Empty = epochs.")
     epochs: float = _f(1.0, "Passes over the training rows when max_steps is empty.")
     budget_steps_per_s: float | None = _f(None, "With max_minutes and no max_steps: size the LR schedule in steps "
