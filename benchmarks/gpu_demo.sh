@@ -8,6 +8,7 @@
 #            `generate` benchmark (continuous batching vs static batches, SmolLM2 shape, random weights)
 #   check2   the tiny pipeline with a DFlash 2 drafter (model.architecture=dflash2)
 #   check_cache   the tiny pipeline with train.feature_cache_gb, against the same fixed rows with nothing kept
+#   check_val     the tiny pipeline with validation through the training graph, then through its own (same numbers)
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)
 #   poll     wait until the demo ends or POLL_S seconds (default 500) pass, then the demo log's last lines (issue the
@@ -106,6 +107,23 @@ check_cache() {
   for r in /tmp/tinycache /tmp/tinynocache; do
     echo "--- $r"; grep -E "feature cache|peak GPU memory|rows of .* tokens per epoch|val +60/|done:" $r.log
   done
+}
+
+# train.validation_graph on the GPU (reduce-overhead CUDA graphs in worker threads, validation every 20 of 60 steps
+# between training steps): through the training step's graph (the default), then through a graph of its own; the
+# two runs should train the same steps and read the same validation, up to the two graphs' bf16 rounding.
+check_val() {
+  banner "tiny pipeline on the GPU: validation through the training graph, then through its own"
+  tiny_run /tmp/tinyval_training train.validation_graph=training
+  tiny_run /tmp/tinyval_own train.validation_graph=own
+  python3 - <<'EOF2'
+import json
+runs = {g: [json.loads(x) for x in open(f"/tmp/tinyval_{g}/metrics.jsonl")] for g in ("training", "own")}
+for kind in ("train", "val"):
+    for g, recs in runs.items():
+        rows = [(r["step"], round(r["loss"], 4)) for r in recs if r.get("split") == kind and "loss" in r]
+        print(f"{kind:5s} {g:8s}", rows[-4:])
+EOF2
 }
 
 join() {

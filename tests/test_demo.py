@@ -431,4 +431,27 @@ def test_the_demo_table_sets_validation_against_the_measurement_on_the_same_conv
     d = DemoResult(tmp_path, "cuda:0", {}, 12, 128, 60.0, 3.0, None, {}, None,
                    {"setup": 1, "regenerate": 0, "train": 60, "evaluate": 5}, 70.0, paired)
     assert ("validation vs measured on the same 2 held-out conversations: walk 3.50, decoded 2.75 (difference "
-            "-0.75 ± 0.25)") in d.table()
+            "-0.75 ± 0.25)\n") in d.table()  # replies without their tokens (before 2026-12-04): nothing more
+
+
+def test_the_pairing_compares_the_walk_and_decoding_up_to_where_their_texts_part(tmp_path):
+    """With each reply's tokens and blocks (validation_replies.json) and each prompt's decoded text and blocks (the
+    eval report), the pairing also compares the two walks up to the first token where the texts differ: the same
+    text gives the same blocks when validation reads what decoding does; past the parting it is another text."""
+    from dflash_train.demo import DemoResult, paired_validation
+
+    replies = [{"key": "a", "tau": 2.5, "tokens": [5, 6, 7, 8, 9, 2], "steps": [2, 3]},       # 0 -> 2 -> 5
+               {"key": "b", "tau": 2.0, "tokens": [5, 6, 7, 8, 9, 10, 11, 2], "steps": [1, 1, 4, 1]}]
+    prompts = [{"id": "a", "tau": 2.5, "speculative": [5, 6, 7, 8, 9, 2], "accept_lengths": [2, 3]},
+               # parts from "b" at its 4th token: a block counts while it ends before it (walk 1, 1; decoded 2)
+               {"id": "b", "tau": 2.5, "speculative": [5, 6, 7, 1, 1, 1], "accept_lengths": [2, 3]}]
+    (tmp_path / "validation_replies.json").write_text(json.dumps({"step": 10, "replies": replies}))
+    (tmp_path / "eval_heldout").mkdir()
+    (tmp_path / "eval_heldout" / "eval.json").write_text(json.dumps({"prompts": prompts}))
+    paired = paired_validation(tmp_path)
+    assert paired["before_parting"] == {"pairs": 2, "parted": 1, "walk": 1.75, "measured": 2.25, "same_blocks": 1}
+    d = DemoResult(tmp_path, "cuda:0", {}, 12, 128, 60.0, 3.0, None, {}, None,
+                   {"setup": 1, "regenerate": 0, "train": 60, "evaluate": 5}, 70.0, paired)
+    assert ("validation vs measured on the same 2 held-out conversations: walk 2.25, decoded 2.50 (difference "
+            "+0.25 ± 0.25); up to where the texts part (1 of 2 part): walk 1.75, decoded 2.25, the same blocks in 1 "
+            "of 2") in d.table()

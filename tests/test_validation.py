@@ -21,7 +21,7 @@ from dflash_train.training.objective import acceptance_from_counts, dflash_loss,
 from dflash_train.training.step import DrafterStep
 from dflash_train.training.trainer import train_single_device
 from dflash_train.training.validation import (BEST_METRIC, PATIENCE, Validator, build_validation_rows,
-                                              decoding_tau, evaluate_rows, validation_rows)
+                                              decoding_tau, decoding_walks, evaluate_rows, validation_rows)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,14 +32,18 @@ def tiny_cfg(target, out, *extra):
 
 
 def _walk(mask: list[bool], docs: list[int], accept: dict[int, int]) -> list[float]:
-    """Decoding's walk, written out plainly: per reply, from its first token, jump by what each block accepts."""
+    """Decoding's walk, written out plainly: per reply, from its first token, jump by what each block accepts; a
+    block never reaches past the reply's last token (decoding stops at the end-of-turn token it emits)."""
     out = []
     for start in range(len(mask)):
         if mask[start] and (start == 0 or not mask[start - 1] or docs[start - 1] != docs[start]):
+            last = start
+            while last + 1 < len(mask) and mask[last + 1] and docs[last + 1] == docs[start]:
+                last += 1
             steps, a = [], start
-            while accept.get(a, 0) > 0:
-                steps.append(accept[a])
-                a += accept[a]
+            while a < last and accept.get(a, 0) > 0:
+                steps.append(min(accept[a], last - a))
+                a += steps[-1]
             if steps:
                 out.append(sum(steps) / len(steps))
     return out
@@ -53,6 +57,13 @@ def test_decoding_walk_jumps_by_what_each_block_accepts():
     accept[3], accept[5], accept[4] = 2, 3, 9   # 3 -> 5 -> 8 (the reply's last token: no block starts there)
     accept[11], accept[12] = 1, 2               # 11 -> 12 -> 14
     assert decoding_tau(mask, docs, accept) == [2.5, 1.5]
+    # A block that drafts the reply's last token right counts up to it, not the target's token after it: decoding
+    # stops at the end-of-turn token.
+    accept[5] = 4                               # 5 -> 9 would be past the reply (3..8): 3, to its last token
+    accept[12] = 3
+    assert decoding_tau(mask, docs, accept) == [2.5, 1.5]
+    walk = decoding_walks(mask, docs, accept)[0]
+    assert (walk.doc, walk.start, walk.end, walk.steps) == (0, 3, 9, [2, 3])
 
 
 def test_validation_metrics_equal_a_direct_computation(tiny_llama, tmp_path):
@@ -292,8 +303,6 @@ def test_a_best_step_with_a_checkpoint_survives_rotation(tiny_llama, tmp_path):
 
 def test_decoding_tau_by_source_groups_the_same_walks(tiny_llama, tmp_path):
     """Each held-out document keeps its source through packing; the per-source taus regroup the overall walk."""
-    from dflash_train.training.validation import decoding_walks
-
     cfg = tiny_cfg(tiny_llama, tmp_path, "train.eval_rows=3")
     data = load_dataset(cfg.data, None, seed=cfg.train.seed)
     sources = [f"first{s.input_ids[0] % 3}" for s in data.heldout]  # a label each document's own tokens tell
@@ -316,8 +325,8 @@ def test_decoding_tau_by_source_groups_the_same_walks(tiny_llama, tmp_path):
             accept[r][b.anchors[b.anchor_valid]] = step.evaluate(b, rows.feats[r])["accept_len"][b.anchor_valid].long()
     groups: dict[str, list[float]] = {}
     for r, row in enumerate(rows.rows):
-        for doc, tau in decoding_walks(row.loss_mask, row.doc_ids, accept[r]):
-            groups.setdefault(rows.doc_sources[r][doc], []).append(tau)
+        for w in decoding_walks(row.loss_mask, row.doc_ids, accept[r]):
+            groups.setdefault(rows.doc_sources[r][w.doc], []).append(w.tau)
     assert len(groups) > 1
     assert got["tau_decoding_by_source"] == pytest.approx({k: sum(v) / len(v) for k, v in groups.items()})
     every = [t for v in groups.values() for t in v]
@@ -349,7 +358,12 @@ def test_the_best_steps_replies_are_kept_by_key_and_pair_with_a_measurement(tiny
     kept = json.loads((out / REPLIES_FILE).read_text())
     assert kept["step"] == 20 == v.best["step"]
     assert {r["key"] for r in kept["replies"]} <= {k for row in keys for k in row} and kept["replies"]
-    assert all(r["tau"] == pytest.approx(4) for r in kept["replies"])  # every block accepted 4 at step 20
+    for r in kept["replies"]:  # every block accepted 4 at step 20, the last one up to the reply's last token
+        assert set(r["steps"][:-1]) <= {4} and 1 <= r["steps"][-1] <= 4 and r["tau"] == pytest.approx(
+            sum(r["steps"]) / len(r["steps"]))
+        row, doc = next((row, names.index(r["key"])) for row, names in zip(rows.rows, keys) if r["key"] in names)
+        assert r["tokens"] == row.input_ids[(row.doc_ids == doc) & row.loss_mask].tolist()  # the reply walked
+        assert sum(r["steps"]) == len(r["tokens"]) - 1  # from the first token (the anchor) to the last
     # a measurement of some of those conversations, 0.5 lower on each: paired, the difference is exactly -0.5
     measured = [{"id": r["key"], "tau": r["tau"] - 0.5} for r in kept["replies"][:3]]
     twice = kept["replies"][3]["key"]  # an id two prompts share (parts of one chat): which pairs is unknown

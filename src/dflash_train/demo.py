@@ -301,9 +301,13 @@ def format_demo_table(d: DemoResult) -> str:
     lines.append("  tau estimates: " + "; ".join(est))
     if pr := d.paired:  # the estimate's honesty, prompt by prompt: the same conversations walked and decoded
         se = f" ± {pr['se']:.2f}" if pr["se"] is not None else ""
-        lines.append(f"  validation vs measured on the same {pr['pairs']} held-out conversation"
-                     f"{'s' if pr['pairs'] != 1 else ''}: walk "
-                     f"{pr['walk']:.2f}, decoded {pr['measured']:.2f} (difference {pr['difference']:+.2f}{se})")
+        line = (f"  validation vs measured on the same {pr['pairs']} held-out conversation"
+                f"{'s' if pr['pairs'] != 1 else ''}: walk {pr['walk']:.2f}, decoded {pr['measured']:.2f} "
+                f"(difference {pr['difference']:+.2f}{se})")
+        if (bp := pr.get("before_parting")) and bp["pairs"]:  # where decoding reproduced the reply validation walked
+            line += (f"; up to where the texts part ({bp['parted']} of {pr['pairs']} part): walk {bp['walk']:.2f}, "
+                     f"decoded {bp['measured']:.2f}, the same blocks in {bp['same_blocks']} of {bp['pairs']}")
+        lines.append(line)
     data = d.data or {}
     if data:
         lines.append(f"  data: {data['conversations']:,} conversations, {data['unique_tokens']:,} unique tokens "

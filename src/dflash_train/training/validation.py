@@ -44,9 +44,11 @@ log = logging.getLogger("dflash_train")
 
 BEST_METRIC = "val_tau_decoding"  # picks drafter/: the acceptance length decoding would reach on held-out replies
 BEST_DIR, LAST_DIR, BEST_FILE = "drafter_best", "drafter_last", "best.json"
-# The best step's walk per held-out reply ({"step", "replies": [{"key", "source", "tau"}]}), beside best.json: a
-# measurement of the same conversations' prompts pairs with it (benchmarks/compare_evals.py).
+# The best step's walk per held-out reply ({"step", "replies": [{"key", "source", "tau", "tokens", "steps"}]}),
+# beside best.json: a measurement of the same conversations' prompts pairs with it (benchmarks/compare_evals.py), up
+# to where the two texts part (the reply's tokens and each block's acceptance, REPLY_TOKENS_KEPT tokens at most).
 REPLIES_FILE = "validation_replies.json"
+REPLY_TOKENS_KEPT = 512  # past the measurement's 256 new tokens; a reply's blocks kept while they end within it
 PATIENCE = 3            # validations without a new best (while training's estimate rises) before the warning
 EPOCHS_WARN = 4.0       # more passes than this over the data: the start-up line warns of memorisation
 
@@ -135,30 +137,69 @@ def build_validation_rows(heldout: list[Sample], cfg, target, device: torch.devi
     return ValidationRows(rows, [b.to(device) for b in batches], row_of, feats, docs, tokens, doc_sources, doc_keys)
 
 
+@dataclass
+class Walk:
+    """Decoding's walk over one held-out reply: what each block accepted, from the reply's first token on."""
+    doc: int            # the reply's document id in its row
+    start: int          # the reply's first position in the row (the first block's anchor)
+    end: int            # one past the reply's last position
+    steps: list[int]    # the tokens each block accepted (the leading correct drafts plus the target's own)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.steps) / len(self.steps)
+
+
 def decoding_tau(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch.Tensor) -> list[float]:
     """Per assistant reply of one row: the mean acceptance length of decoding's walk over it (decoding_walks)."""
-    return [tau for _, tau in decoding_walks(loss_mask, doc_ids, accept)]
+    return [w.tau for w in decoding_walks(loss_mask, doc_ids, accept)]
 
 
-def decoding_walks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch.Tensor) -> list[tuple[int, float]]:
-    """Per assistant reply of one row: (its document id, the mean acceptance length of decoding's walk over it).
-    accept [T] (CPU, long): what decoding accepts from an anchor at each position (0 where no block can start). A
-    reply's walk starts at its first token (the target's first generated token: the first block's anchor) and jumps
-    by what each block accepted, until it reaches a position where no block starts (the reply's last token, or past
-    it)."""
+def decoding_walks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch.Tensor) -> list[Walk]:
+    """Per assistant reply of one row, decoding's walk over it. accept [T] (CPU, long): what decoding accepts from an
+    anchor at each position (0 where no block can start). A reply's walk starts at its first token (the target's
+    first generated token: the first block's anchor) and jumps by what each block accepted, until it reaches a
+    position where no block starts (the reply's last token, or past it). A block that drafts the reply's last token
+    right (its end-of-turn token) counts the tokens up to it: decoding stops there, with no token of the target's
+    after it."""
     T = loss_mask.shape[0]
     mask, docs, acc = loss_mask.tolist(), doc_ids.tolist(), accept.tolist()
-    taus = []
+    walks = []
     for p in range(T):
         if not mask[p] or (p > 0 and mask[p - 1] and docs[p - 1] == docs[p]):
             continue  # not the first token of a reply
+        end = p
+        while end < T and mask[end] and docs[end] == docs[p]:
+            end += 1
         steps, a = [], p
-        while a < T and acc[a] > 0:
-            steps.append(acc[a])
-            a += acc[a]
+        while a < end - 1 and acc[a] > 0:
+            steps.append(min(acc[a], end - 1 - a))
+            a += steps[-1]
         if steps:
-            taus.append((docs[p], sum(steps) / len(steps)))
-    return taus
+            walks.append(Walk(docs[p], p, end, steps))
+    return walks
+
+
+def blocks_before(steps: list[int], n: int) -> list[int]:
+    """The leading blocks of a walk (steps from a text's first token on) that depend on its first n tokens only: a
+    block that accepted a tokens from anchor c depends on the tokens up to c + a (the drafts it got right and the
+    first it got wrong, or the target's token after the last)."""
+    kept, c = [], 0
+    for a in steps:
+        if c + a >= n:
+            break
+        kept.append(a)
+        c += a
+    return kept
+
+
+def blocks_before_parting(steps: list[int], text: list[int], other: list[int]) -> list[int]:
+    """The blocks of a walk over `text` that a walk over `other` would see alike: every block when the two texts are
+    the same, else those that end before the first token where they differ (blocks_before)."""
+    if text == other:
+        return list(steps)
+    return blocks_before(steps, next((i for i, (x, y) in enumerate(zip(text, other)) if x != y),
+                                     min(len(text), len(other))))
 
 
 def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor | float]:
@@ -172,37 +213,66 @@ def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor | flo
         ok = batch.anchor_valid.cpu()
         accept[r][batch.anchors.cpu()[ok]] = out["accept_len"].cpu()[ok].long()  # .cpu(): a host sync, here only
     metrics = window.take()
-    walks = []  # (source, key, tau) per held-out reply; source "" without a mix, key None when unknown
+    replies = []  # per held-out reply; source "" without a mix, key None when unknown
     for i, (row, acc) in enumerate(zip(rows.rows, accept)):
-        for doc, tau in decoding_walks(row.loss_mask.cpu(), row.doc_ids.cpu(), acc):
-            walks.append((rows.doc_sources[i][doc] if rows.doc_sources else "",
-                          rows.doc_keys[i][doc] if rows.doc_keys else None, tau))
-    metrics["tau_decoding"] = _mean([tau for _, _, tau in walks])
-    if len({src for src, _, _ in walks}) > 1:  # a mix: the same walk, averaged per source
-        metrics["tau_decoding_by_source"] = {src: _mean([t for s2, _, t in walks if s2 == src])
-                                             for src in sorted({src for src, _, _ in walks})}
-    metrics["replies"] = [{"key": k, "source": s, "tau": t} for s, k, t in walks]
+        ids = row.input_ids.cpu()
+        for w in decoding_walks(row.loss_mask.cpu(), row.doc_ids.cpu(), acc):
+            kept = min(w.end - w.start, REPLY_TOKENS_KEPT)
+            replies.append({"key": rows.doc_keys[i][w.doc] if rows.doc_keys else None,
+                            "source": rows.doc_sources[i][w.doc] if rows.doc_sources else "", "tau": w.tau,
+                            "tokens": ids[w.start:w.start + kept].tolist(),
+                            "steps": w.steps if kept == w.end - w.start else blocks_before(w.steps, kept)})
+    metrics["tau_decoding"] = _mean([r["tau"] for r in replies])
+    if len({r["source"] for r in replies}) > 1:  # a mix: the same walk, averaged per source
+        metrics["tau_decoding_by_source"] = {src: _mean([r["tau"] for r in replies if r["source"] == src])
+                                             for src in sorted({r["source"] for r in replies})}
+    metrics["replies"] = replies
     return metrics
 
 
 def paired_with_measured(replies: list[dict], prompts: list[dict]) -> dict | None:
-    """Validation's walk (REPLIES_FILE's replies: key, tau) against a measurement's prompts (an eval report's: id,
-    tau) on the conversations both hold. An id held twice on either side is left out (ShareGPT keys the parts of one
-    chat alike: which pairs with which is unknown). -> {"pairs", "walk", "measured", "difference", "se"} (difference
-    = measured - walk, se its standard error over the pairs), or None when nothing pairs."""
+    """Validation's walk (REPLIES_FILE's replies: key, tau; tokens and steps since 2026-12-04) against a
+    measurement's prompts (an eval report's: id, tau, speculative, accept_lengths) on the conversations both hold. An
+    id held twice on either side is left out (ShareGPT keys the parts of one chat alike: which pairs with which is
+    unknown). -> {"pairs", "walk", "measured", "difference", "se"} (difference = measured - walk, se its standard
+    error over the pairs), or None when nothing pairs; with the texts on both sides also "before_parting": the same
+    pairs up to where the reply validation walked and the text decoding produced first differ (before_parting)."""
     def unique(items: list[tuple]) -> dict:
         counts = Counter(k for k, _ in items)
         return {k: v for k, v in items if k is not None and counts[k] == 1}
 
-    walk = unique([(r.get("key"), r["tau"]) for r in replies])
-    measured = unique([(p.get("id"), p["tau"]) for p in prompts])
+    walk = unique([(r.get("key"), r) for r in replies])
+    measured = unique([(p.get("id"), p) for p in prompts])
     keys = [k for k in measured if k in walk]
     if not keys:
         return None
-    diffs = [measured[k] - walk[k] for k in keys]
+    diffs = [measured[k]["tau"] - walk[k]["tau"] for k in keys]
     se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else None
-    return {"pairs": len(keys), "walk": _mean([walk[k] for k in keys]),
-            "measured": _mean([measured[k] for k in keys]), "difference": _mean(diffs), "se": se}
+    out = {"pairs": len(keys), "walk": _mean([walk[k]["tau"] for k in keys]),
+           "measured": _mean([measured[k]["tau"] for k in keys]), "difference": _mean(diffs), "se": se}
+    if all("tokens" in walk[k] and "speculative" in measured[k] for k in keys):
+        out["before_parting"] = before_parting([(walk[k], measured[k]) for k in keys])
+    return out
+
+
+def before_parting(pairs: list[tuple[dict, dict]]) -> dict:
+    """Per (reply, measured prompt): each side's blocks up to where the two texts first differ
+    (blocks_before_parting), averaged per side over the pairs where both keep a block. Where decoding reproduced the
+    reply, the two walks see the same tokens, so they should accept alike block for block; what differs past the
+    parting is another text, not the estimate. -> {"pairs", "parted" (pairs whose texts differ), "walk",
+    "measured", "same_blocks" (pairs whose kept blocks are equal)}."""
+    walked, decoded, same, parted = [], [], 0, 0
+    for reply, prompt in pairs:
+        text, other = reply["tokens"], prompt["speculative"]
+        parted += text != other
+        w = blocks_before_parting(reply["steps"], text, other)
+        m = blocks_before_parting(prompt["accept_lengths"], other, text)
+        if w and m:
+            walked.append(sum(w) / len(w))
+            decoded.append(sum(m) / len(m))
+            same += w == m
+    return {"pairs": len(walked), "parted": parted, "walk": _mean(walked), "measured": _mean(decoded),
+            "same_blocks": same}
 
 
 def _mean(xs: list[float]) -> float:
