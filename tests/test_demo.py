@@ -441,17 +441,23 @@ def test_the_pairing_compares_the_walk_and_decoding_up_to_where_their_texts_part
     from dflash_train.demo import DemoResult, paired_validation
 
     replies = [{"key": "a", "tau": 2.5, "tokens": [5, 6, 7, 8, 9, 2], "steps": [2, 3]},       # 0 -> 2 -> 5
-               {"key": "b", "tau": 2.0, "tokens": [5, 6, 7, 8, 9, 10, 11, 2], "steps": [1, 1, 4, 1]}]
+               {"key": "b", "tau": 2.0, "tokens": [5, 6, 7, 8, 9, 10, 11, 2], "steps": [1, 1, 4, 1]},
+               # a reply cut at the token limit, closed by the template's end-of-turn token (2)
+               {"key": "c", "tau": 3.0, "tokens": [5, 6, 7, 8, 9, 10, 11, 2], "steps": [3, 4]}]
     prompts = [{"id": "a", "tau": 2.5, "speculative": [5, 6, 7, 8, 9, 2], "accept_lengths": [2, 3]},
                # parts from "b" at its 4th token: a block counts while it ends before it (walk 1, 1; decoded 2)
-               {"id": "b", "tau": 2.5, "speculative": [5, 6, 7, 1, 1, 1], "accept_lengths": [2, 3]}]
+               {"id": "b", "tau": 2.5, "speculative": [5, 6, 7, 1, 1, 1], "accept_lengths": [2, 3]},
+               # decoding stopped at the same limit: its last block was cut at the last token, not judged; the
+               # blocks before it (3) are compared
+               {"id": "c", "tau": 3.0, "speculative": [5, 6, 7, 8, 9, 10, 11], "accept_lengths": [3, 3]}]
     (tmp_path / "validation_replies.json").write_text(json.dumps({"step": 10, "replies": replies}))
     (tmp_path / "eval_heldout").mkdir()
     (tmp_path / "eval_heldout" / "eval.json").write_text(json.dumps({"prompts": prompts}))
     paired = paired_validation(tmp_path)
-    assert paired["before_parting"] == {"pairs": 2, "parted": 1, "walk": 1.75, "measured": 2.25, "same_blocks": 1}
+    assert paired["before_parting"] == {"pairs": 3, "parted": 2, "walk": 6.5 / 3, "measured": 7.5 / 3,
+                                        "same_blocks": 2}
     d = DemoResult(tmp_path, "cuda:0", {}, 12, 128, 60.0, 3.0, None, {}, None,
                    {"setup": 1, "regenerate": 0, "train": 60, "evaluate": 5}, 70.0, paired)
-    assert ("validation vs measured on the same 2 held-out conversations: walk 2.25, decoded 2.50 (difference "
-            "+0.25 ± 0.25); up to where the texts part (1 of 2 part): walk 1.75, decoded 2.25, the same blocks in 1 "
-            "of 2") in d.table()
+    assert ("validation vs measured on the same 3 held-out conversations: walk 2.50, decoded 2.67 (difference "
+            "+0.17 ± 0.17); up to where the texts part (2 of 3 part): walk 2.17, decoded 2.50, the same blocks in 2 "
+            "of 3") in d.table()

@@ -195,11 +195,14 @@ def blocks_before(steps: list[int], n: int) -> list[int]:
 
 def blocks_before_parting(steps: list[int], text: list[int], other: list[int]) -> list[int]:
     """The blocks of a walk over `text` that a walk over `other` would see alike: every block when the two texts are
-    the same, else those that end before the first token where they differ (blocks_before)."""
+    the same, else those that end before the first token where they differ (blocks_before). When one text goes on
+    where the other stops (a reply cut at its token limit, then closed by the chat template's end-of-turn token),
+    the blocks end before the shorter one's last token: a block that reached it was cut there, not judged."""
     if text == other:
         return list(steps)
-    return blocks_before(steps, next((i for i, (x, y) in enumerate(zip(text, other)) if x != y),
-                                     min(len(text), len(other))))
+    shared = min(len(text), len(other))
+    parted = next((i for i, (x, y) in enumerate(zip(text, other)) if x != y), shared - 1)
+    return blocks_before(steps, parted)
 
 
 def evaluate_rows(step_fn, rows: ValidationRows) -> dict[str, torch.Tensor | float]:
