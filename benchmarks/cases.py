@@ -275,6 +275,9 @@ def bench_drafter(ctx: Context):
                 ("reference: dense mask+SDPA, fp32 logits, eager", "eager", "sdpa", True, 30),
                 ("compile default", "default", flex, False, 150),
                 ("compile reduce-overhead", "reduce-overhead", flex, False, 90)]
+    if flex == "flex":  # train.attention=sdpa on CUDA: no flex kernels to compile (the cold start's largest part)
+        variants.append(("compile reduce-overhead, dense mask (train.attention=sdpa)", "reduce-overhead", "sdpa",
+                         False, 90))
     for name, mode, attention, reference, cost in variants:
         def run(mode=mode, attention=attention, reference=reference):
             return drafter_step_row(ctx, mode, attention, f"bench_{mode.replace('-', '_')}_{int(reference)}",
