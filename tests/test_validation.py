@@ -106,7 +106,8 @@ def test_validation_metrics_equal_a_direct_computation(tiny_llama, tmp_path):
     assert all(torch.equal(a.anchors, b.anchors.cpu()) for a, b in zip(again, rows.batches))
 
 
-@pytest.mark.parametrize("trainer,graph", [("single", "own"), ("pipeline", "own"), ("pipeline", "training")])
+@pytest.mark.parametrize("trainer,graph", [("single", "own"), ("single", "training"), ("pipeline", "own"),
+                                           ("pipeline", "training")])
 def test_validation_leaves_the_training_trajectory_untouched(trainer, graph, tiny_llama, tmp_path):
     """Also through the training step's own graph (train.validation_graph=training: its forward, no backward)."""
     run = train_single_device if trainer == "single" else train_pipeline
