@@ -7,7 +7,8 @@ Each file is an evaluation report (`dflash-train eval` or a run's eval_final/eva
 eval_yardstick.json), or a run's validation_replies.json: validation's decoding walk per held-out reply at the best
 step, keyed by conversation, so that `compare_evals.py RUN/validation_replies.json RUN/eval_heldout/eval.json` sets
 the estimate against the measured tau on the same conversations (the demo measures the first held-out ShareGPT
-conversations, which validation's rows hold too). Prompts are paired by id (by position when the reports carry
+conversations, which validation's rows hold too); with the replies' tokens on one side and plain decoding's text
+(`baseline`) on the other it also says where the two texts first differ. Prompts are paired by id (by position when the reports carry
 none). Per report: mean tau and the standard error of that mean over prompts (how far another set of prompts of the
 same kinds could move it). Per OTHER: the mean of the per-prompt differences OTHER - BASE and its standard error.
 The prompts differ far more from each other than two drafters differ on one prompt, so the paired error is the
@@ -23,18 +24,38 @@ import sys
 from collections import Counter
 
 
-def per_prompt(path: str) -> dict[str, float]:
-    """id -> tau. An id held by more than one prompt (ShareGPT keys the parts of one long chat alike) is left out:
-    which of them pairs with which is unknown."""
+def per_prompt(path: str, field: str = "tau") -> dict:
+    """id -> tau (or another field of each prompt / reply). An id held by more than one prompt (ShareGPT keys the
+    parts of one long chat alike) is left out: which of them pairs with which is unknown."""
     report = json.load(open(path))
     if "replies" in report:  # validation_replies.json: replies without a key (synthetic data) cannot be paired
-        pairs = [(str(r["key"]), r["tau"]) for r in report["replies"] if r["key"] is not None]
+        pairs = [(str(r["key"]), r.get(field)) for r in report["replies"] if r["key"] is not None]
     else:
-        pairs = [(str(p.get("id", i)), p["tau"]) for i, p in enumerate(report["prompts"])]
+        pairs = [(str(p.get("id", i)), p.get(field)) for i, p in enumerate(report["prompts"])]
     counts = Counter(k for k, _ in pairs)
-    if dup := sorted(k for k, n in counts.items() if n > 1):
+    if field == "tau" and (dup := sorted(k for k, n in counts.items() if n > 1)):
         print(f"{path}: {len(dup)} id(s) held by several prompts, left out: {', '.join(dup[:5])}")
-    return {k: tau for k, tau in pairs if counts[k] == 1}
+    return {k: v for k, v in pairs if counts[k] == 1}
+
+
+def texts_part(replies_path: str, report_path: str) -> None:
+    """Where the replies validation walked (their tokens, kept since 2026-12-04) and plain decoding's text of the same
+    prompts (the report's `baseline`) first differ: the regenerated training text against what the target produces
+    when it decodes alone. Parting late and rarely is bf16 rounding at near-ties; parting early and often would mean
+    the drafter trains on text the target does not produce."""
+    replies, baselines = per_prompt(replies_path, "tokens"), per_prompt(report_path, "baseline")
+    ids = [i for i in baselines if replies.get(i) is not None and baselines[i] is not None]
+    if not ids:
+        return
+    parts = []
+    for i in ids:
+        a, b = replies[i], baselines[i]
+        parts.append(next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None))
+    where = sorted(k for k in parts if k is not None)
+    line = f"texts: {len(ids) - len(where)} of {len(ids)} regenerated replies agree with plain decoding to the shorter's end"
+    if where:
+        line += f"; the others part at token {', '.join(map(str, where))}"
+    print(line)
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -57,6 +78,8 @@ def main(paths: list[str]) -> None:
         z = f"{dm / dse:+.1f} standard errors" if dse > 0 else "the same on every prompt"
         print(f"{path}: tau {m:.3f} ± {se:.3f}; paired difference over {len(ids)} prompts {dm:+.3f} ± {dse:.3f} "
               f"({z})")
+        if "replies" in json.load(open(paths[0])):
+            texts_part(paths[0], path)
 
 
 if __name__ == "__main__":

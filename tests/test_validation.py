@@ -378,3 +378,13 @@ def test_the_best_steps_replies_are_kept_by_key_and_pair_with_a_measurement(tiny
     compare_evals.main([str(out / REPLIES_FILE), str(tmp_path / "eval.json")])
     printed = capsys.readouterr().out
     assert "paired difference over 3 prompts -0.500" in printed and f"left out: {twice}" in printed
+    assert "texts:" not in printed  # a report without plain decoding's text: nothing to say about the texts
+    # With plain decoding's text (`baseline`): where the regenerated reply and the decoded text first differ
+    first, second = kept["replies"][0], kept["replies"][1]
+    parted = second["tokens"][:2] + [second["tokens"][2] + 1] + second["tokens"][3:]
+    baselines = [{"id": first["key"], "tau": 1.0, "baseline": first["tokens"][:-1]},   # the reply cut short: agrees
+                 {"id": second["key"], "tau": 1.0, "baseline": parted}]
+    (tmp_path / "eval.json").write_text(json.dumps({"prompts": baselines}))
+    compare_evals.main([str(out / REPLIES_FILE), str(tmp_path / "eval.json")])
+    assert ("texts: 1 of 2 regenerated replies agree with plain decoding to the shorter's end; the others part at "
+            "token 2") in capsys.readouterr().out
