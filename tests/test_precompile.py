@@ -34,11 +34,12 @@ def _drafter_config(cfg):
 
 def test_the_pipeline_waits_for_the_child_before_its_targets_start(no_env, tmp_path, caplog):
     """pipeline.precompile=always (the CPU's way in; auto is CUDA-only): the child runs both parts eagerly from the
-    run's config, the coordinator waits for it after the drafters, and the run trains as it would without it."""
+    run's config (validation's own graph: through the training graph it has no part), the coordinator waits for it
+    after the drafters, and the run trains as it would without it."""
     from dflash_train.pipeline.coordinator import train_pipeline
 
     caplog.set_level(logging.INFO, logger="dflash_train")
-    result = train_pipeline(_cfg(tmp_path, "pipeline.precompile=always"))
+    result = train_pipeline(_cfg(tmp_path, "pipeline.precompile=always", "train.validation_graph=own"))
     assert result.steps == 3
     messages = [r.getMessage() for r in caplog.records]
     started = next(i for i, m in enumerate(messages) if m.startswith("precompile: a child process"))
@@ -61,7 +62,9 @@ def test_auto_starts_a_child_only_where_it_can_pay(no_env, tmp_path, monkeypatch
     assert default.pipeline.precompile == "never"          # the default since a GPU run started slower with the child
     cfg = dataclasses.replace(default, pipeline=dataclasses.replace(default.pipeline, precompile="auto"))
     dcfg, gpu, cpu = _drafter_config(cfg), torch.device("cuda", 0), torch.device("cpu")
-    parts = precompile.precompile_parts(cfg, validating=True)
+    assert precompile.precompile_parts(cfg, validating=True) == ["target"]  # validation runs the training graph
+    own = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, validation_graph="own"))
+    parts = precompile.precompile_parts(own, validating=True)
     assert parts == ["validation", "target"]
     start = lambda *devices, c=cfg: precompile.start_precompile(  # noqa: E731
         c, dcfg, parts, *devices, tmp_path / "scratch", child_bytes=30 * 2**30)
@@ -102,7 +105,8 @@ def test_what_the_child_compiled_is_what_the_workers_then_load(no_env, tmp_path)
     from dflash_train.data.dataset import load_dataset
     from dflash_train.training.validation import build_validation_rows
 
-    cfg = _cfg(tmp_path, "train.compile=default", "model.target_compile=default", "pipeline.precompile=always")
+    cfg = _cfg(tmp_path, "train.compile=default", "model.target_compile=default", "pipeline.precompile=always",
+               "train.validation_graph=own")
     use_compile_cache(cfg)
     # On a CPU inductor's code (and its cache key) depends on the intra-op thread count: the child's must be this
     # test process's one (conftest.py). On CUDA, the mode auto is for, it does not enter the key.

@@ -74,12 +74,14 @@ class Precompile(CompileWarmup):
 
 
 def precompile_parts(cfg: Config, validating: bool) -> list[str]:
-    """What a child would compile for this run: validation's forward (when the run validates and its step is
-    compiled) and the target's forward (when model.target_compile compiles it); with pipeline.precompile=always, both
-    whatever they compile (the child then runs them as they are). cfg: resolved."""
+    """What a child would compile for this run: validation's forward (when the run validates through a compiled
+    graph of its own, train.validation_graph=own) and the target's forward (when model.target_compile compiles it);
+    with pipeline.precompile=always, both whatever they compile (the child then runs them as they are). Validation
+    through the training graph has nothing of its own to compile: a child would compile the training step's forward
+    beside this process. cfg: resolved."""
     forced = cfg.pipeline.precompile == "always"
     parts = []
-    if validating and (forced or cfg.train.compile != "eager"):
+    if validating and cfg.train.validation_graph == "own" and (forced or cfg.train.compile != "eager"):
         parts.append("validation")
     if forced or cfg.model.target_compile != "eager":
         parts.append("target")
