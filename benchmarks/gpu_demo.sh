@@ -9,6 +9,7 @@
 #   check2   the tiny pipeline with a DFlash 2 drafter (model.architecture=dflash2)
 #   check_cache   the tiny pipeline with train.feature_cache_gb, against the same fixed rows with nothing kept
 #   check_val     the tiny pipeline with validation through the training graph, then through its own (same numbers)
+#   check_flex    the engine's flex decode attention, folded and grouped, timed; the engine in a worker thread
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)
 #   poll     wait until the demo ends or POLL_S seconds (default 500) pass, then the demo log's last lines (issue the
@@ -124,6 +125,13 @@ for kind in ("train", "val"):
         rows = [(r["step"], round(r["loss"], 4)) for r in recs if r.get("split") == kind and "loss" in r]
         print(f"{kind:5s} {g:8s}", rows[-4:])
 EOF2
+}
+
+# The engine's flex decode attention on the GPU (benchmarks/gpu_flex_check.py): the grouped query heads as rows and
+# as grouped heads against fp32 SDPA, each timed (TB/s of K/V read), then the engine in a worker thread.
+check_flex() {
+  banner "flex decode attention and the engine in a thread"
+  timeout 300 python3 benchmarks/gpu_flex_check.py 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -12
 }
 
 join() {

@@ -79,6 +79,24 @@ def test_engine_greedy_equals_one_prompt_at_a_time(hf, cases, batch, window, che
     assert sum(stop in r for r in refs) >= 2 and cut != refs
 
 
+def test_engine_flex_decode_folds_grouped_heads_into_rows(tmp_path):
+    """Three query heads a K/V head (SmolLM2 has 9 on 3; flex's decoding kernel takes grouped heads only in powers of
+    two): the step's query heads of a K/V head attend as rows of that head (inference/attention.row_length_attention),
+    with the same answers as one prompt at a time, rows refilled mid-batch and crossing a tile boundary."""
+    from conftest import make_tiny_target
+
+    hf3 = load_causal_lm(make_tiny_target(tmp_path / "gqa3", "llama", hidden_size=96, num_attention_heads=6,
+                                          num_key_value_heads=2), torch.device("cpu"))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, 128, (int(k),), generator=g).tolist() for k in (1, 5, 17, 29, 126, 130)]
+    news = [9, 4, 12, 6, 8, 10]
+    refs = [naive_greedy(hf3, p, n) for p, n in zip(prompts, news)]
+    engine = Engine(hf3, 3, 160, check_every=2, decode_attention="flex")
+    assert engine._rows_mask.q_rows == 3
+    got = run_engine(engine, [Request(i, p, n) for i, (p, n) in enumerate(zip(prompts, news))])
+    assert [got[i] for i in range(len(prompts))] == refs
+
+
 @pytest.mark.parametrize("batch, check, overlap", [(3, 3, True)])  # the refill's variants: the masked tests'
 def test_engine_flex_decode_equals_one_prompt_at_a_time(hf, cases, batch, check, overlap):
     """decode_attention='flex' (each row reads its own 128-slot tiles; eager flex on CPU, compiled on CUDA): the same

@@ -228,9 +228,11 @@ def test_packed_gqa_attention_equals_hf_sdpa(q):
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
 
 
-def test_row_length_attention_reads_each_rows_own_tiles():
+@pytest.mark.parametrize("q_rows", [1, 3])
+def test_row_length_attention_reads_each_rows_own_tiles(q_rows):
     """The flex decode's BlockMask: row r attends to slots 0..ends[r] (tile counts ceil((ends + 1) / tile), none for
-    an ended row, whose output is zero), equal to masked SDPA over the same slots, and the K/V it counts as read."""
+    an ended row, whose output is zero), equal to masked SDPA over the same slots, and the K/V it counts as read;
+    with q_rows = H / H_kv (what the engine builds) the query heads of a K/V head attend as rows of that head."""
     import torch.nn.functional as F
 
     from dflash_train.inference.attention import RowLengthMask, row_length_attention
@@ -240,9 +242,9 @@ def test_row_length_attention_reads_each_rows_own_tiles():
     query, key, value = (torch.randn(b, h, n, d, generator=g) for h, n in ((H, 1), (Hkv, L), (Hkv, L)))
     ends = torch.tensor([0, 7, 8, 20, 39, 5, 0])  # one row more than stepped, as the engine's spare row
     done = torch.tensor([False, False, False, False, False, True, False])
-    rows = RowLengthMask(ends, done, L, tile=tile)
+    rows = RowLengthMask(ends, done, L, tile=tile, q_rows=q_rows)
     mask = rows.block_mask(b)
-    assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 2, 3, 5, 0]
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 1, 2, 3, 5, 0] and mask.seq_lengths == (q_rows, L)
     out, _ = row_length_attention(None, query, key, value, mask, scaling=0.25)
     visible = (torch.arange(L)[None] <= ends[:b, None])[:, None, None]
     ref = F.scaled_dot_product_attention(query, key.repeat_interleave(3, 1), value.repeat_interleave(3, 1),

@@ -51,7 +51,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..inference.attention import SDPA_NAMES, RowLengthMask, restore_sdpa, use_packed_gqa, use_row_length_flex
+from ..inference.attention import (SDPA_NAMES, RowLengthMask, grouped_rows, restore_sdpa, use_packed_gqa,
+                                   use_row_length_flex)
 from ..models.cuda_graph import GraphedStep, resolve_graphs
 from ..inference.decoding import device_sync
 from ..inference.target_runner import StaticKVCache, cache_kwarg_name
@@ -259,7 +260,8 @@ class Engine:
         self.out = torch.zeros(b, max_len, dtype=torch.long, device=dev)  # generated tokens per row
         self.stop_ids = torch.tensor(sorted({int(t) for t in stop_ids}), dtype=torch.long, device=dev)
         self.kv_idx = torch.arange(max_len, device=dev)
-        self._rows_mask = RowLengthMask(self.pos, self.finished, max_len) if self.flex else None
+        self._rows_mask = (RowLengthMask(self.pos, self.finished, max_len, q_rows=grouped_rows(hf.config))
+                           if self.flex else None)
         # Host state per row: the request, its prompt length, its last possible slot, the step it was prefilled at.
         b = batch_size  # the host tracks the real rows only
         self._req: list[Request | None] = [None] * b
@@ -497,7 +499,7 @@ class Engine:
         pos, tok, count = self.pos[:bucket], self.tok[:bucket], self.count[:bucket]
         finished = self.finished[:bucket]
         self.cache.rows, self.cache.pos, self.cache.visible = bucket, pos, visible
-        if self.flex:  # a BlockMask [bucket, 1, 1, max_len] of per-row tile counts (visible == max_len)
+        if self.flex:  # a BlockMask [bucket, 1, q_rows, max_len] of per-row tile counts (visible == max_len)
             mask = self._rows_mask.block_mask(bucket)
         else:
             mask = (self.kv_idx[:visible][None, :] <= pos[:, None])[:, None, None, :]         # [bucket, 1, 1, vis]
