@@ -7,7 +7,8 @@
 #            after training (reduce-overhead steps in worker threads, flex target as a CUDA graph), and the
 #            `generate` benchmark (continuous batching vs static batches, SmolLM2 shape, random weights)
 #   check2   the tiny pipeline with a DFlash 2 drafter (model.architecture=dflash2)
-#   check_cache   the tiny pipeline with train.feature_cache_gb, against the same fixed rows with nothing kept
+#   check_cache   the tiny pipeline with train.feature_cache_gb, with every row in host memory
+#                 (train.feature_cache_host_gb), and against the same fixed rows with nothing kept
 #   check_val     the tiny pipeline with validation through the training graph, then through its own (same numbers)
 #   check_flex    the engine's flex decode attention, folded and grouped, timed; the engine in a worker thread
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
@@ -102,10 +103,11 @@ check2() {
 # train.feature_cache_gb on the GPU (CUDA graphs, flex, the shared GPU's streams): the tiny pipeline over several
 # epochs with the rows' features kept, then with the same fixed rows and nothing kept; the two logs' summaries.
 check_cache() {
-  banner "tiny pipeline on the GPU: feature cache on, then fixed rows with nothing kept"
+  banner "tiny pipeline on the GPU: feature cache on the device, in host memory, then fixed rows with nothing kept"
   tiny_run /tmp/tinycache data.synthetic_samples=48 train.feature_cache_gb=1
+  tiny_run /tmp/tinyhost data.synthetic_samples=48 train.feature_cache_gb=0.000001 train.feature_cache_host_gb=1
   tiny_run /tmp/tinynocache data.synthetic_samples=48 train.feature_cache_gb=0.000001
-  for r in /tmp/tinycache /tmp/tinynocache; do
+  for r in /tmp/tinycache /tmp/tinyhost /tmp/tinynocache; do
     echo "--- $r"; grep -E "feature cache|peak GPU memory|rows of .* tokens per epoch|val +60/|done:" $r.log
   done
 }
