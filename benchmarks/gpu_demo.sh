@@ -137,6 +137,12 @@ check_flex() {
 }
 
 join() {
+  # A machine idle for 30 s is given back, and with it what `stage` left under /tmp: say so instead of starting
+  # nothing (on 2026-12-04 a `start` after such a gap printed four errors and returned 0).
+  if [[ ! -f $S/ggufpart00 || ! -f $S/data/train_chats.jsonl ]]; then
+    echo "nothing staged on this machine (a fresh one: the last was given back after 30 s idle); run stage first"
+    exit 3
+  fi
   cat $S/ggufpart00 .gpu/b/ggufpart01 > $GGUF && md5sum $GGUF
   # The working tree is laid anew at every call: the jobs run from their own copy of the source.
   rm -rf $S/src $S/benchmarks && cp -r src $S/src && cp -r benchmarks $S/benchmarks
