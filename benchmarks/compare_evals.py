@@ -8,9 +8,10 @@ eval_yardstick.json), or a run's validation_replies.json: validation's decoding 
 step, keyed by conversation, so that `compare_evals.py RUN/validation_replies.json RUN/eval_heldout/eval.json` sets
 the estimate against the measured tau on the same conversations (the demo measures the first held-out ShareGPT
 conversations, which validation's rows hold too); with the replies' tokens on one side and plain decoding's text
-(`baseline`) on the other it also says where the two texts first differ. Prompts are paired by id (by position when the reports carry
-none). Per report: mean tau and the standard error of that mean over prompts (how far another set of prompts of the
-same kinds could move it). Per OTHER: the mean of the per-prompt differences OTHER - BASE and its standard error.
+(`baseline`) on the other it also says where the two texts first differ. Prompts are paired by id (by position when
+the reports carry none). Per report: mean tau and the standard error of that mean over prompts (how far another set
+of prompts of the same kinds could move it). Per OTHER: the mean of the per-prompt differences OTHER - BASE and its
+standard error.
 The prompts differ far more from each other than two drafters differ on one prompt, so the paired error is the
 smaller one by far. Standard library only (so it does not call training/validation.py's paired_with_measured, which
 pairs the same way for the demo's table).
@@ -47,12 +48,10 @@ def texts_part(replies_path: str, report_path: str) -> None:
     ids = [i for i in baselines if replies.get(i) is not None and baselines[i] is not None]
     if not ids:
         return
-    parts = []
-    for i in ids:
-        a, b = replies[i], baselines[i]
-        parts.append(next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None))
+    parts = [next((k for k, (x, y) in enumerate(zip(replies[i], baselines[i])) if x != y), None) for i in ids]
     where = sorted(k for k in parts if k is not None)
-    line = f"texts: {len(ids) - len(where)} of {len(ids)} regenerated replies agree with plain decoding to the shorter's end"
+    line = (f"texts: {len(ids) - len(where)} of {len(ids)} regenerated replies agree with plain decoding to the "
+            "shorter's end")
     if where:
         line += f"; the others part at token {', '.join(map(str, where))}"
     print(line)
@@ -78,8 +77,7 @@ def main(paths: list[str]) -> None:
         z = f"{dm / dse:+.1f} standard errors" if dse > 0 else "the same on every prompt"
         print(f"{path}: tau {m:.3f} ± {se:.3f}; paired difference over {len(ids)} prompts {dm:+.3f} ± {dse:.3f} "
               f"({z})")
-        if "replies" in json.load(open(paths[0])):
-            texts_part(paths[0], path)
+        texts_part(paths[0], path)  # says nothing unless paths[0] holds replies' tokens and path decoded texts
 
 
 if __name__ == "__main__":

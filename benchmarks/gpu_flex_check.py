@@ -1,11 +1,11 @@
-"""GPU check of the engine's flex decode attention (inference/attention.row_length_attention, compiled and
-autotuned as the engine runs it) against masked SDPA in fp32, at the SmolLM2 decode shape: 768 rows of random
-lengths up to 2,048 slots, some rows ended. Prints the largest difference over the live rows and whether the ended
-rows are zero; once with the query heads of a K/V head as rows of that head (q_rows = 3, the engine's since
-2026-12-04) and once as grouped heads (q_rows = 1), each timed with CUDA events against the K/V it reads (bytes /
-time, to set against the device's copy bandwidth). Then the flex engine in a thread named like regeneration's (compile, autotune and graph capture off
-the main thread, as `data.regenerate` runs them): it must keep its flex step (no fallback) and give the masked
-engine's tokens on most requests. `PYTHONPATH=src python3 benchmarks/gpu_flex_check.py`"""
+"""GPU check of the engine's flex decode attention (inference/attention.row_length_attention, compiled and autotuned as
+the engine runs it) against masked SDPA in fp32, at the SmolLM2 decode shape: 768 rows of random lengths up to 2,048
+slots, some rows ended. Prints the largest difference over the live rows and whether the ended rows are zero; once
+with the query heads of a K/V head as rows of that head (q_rows = 3, the engine's since 2026-12-04) and once as
+grouped heads (q_rows = 1), each timed with CUDA events against the K/V it reads (bytes / time, to set against the
+device's copy bandwidth). Then the flex engine in a thread named like regeneration's (compile, autotune and graph
+capture off the main thread, as `data.regenerate` runs them): it must keep its flex step (no fallback) and give the
+masked engine's tokens on most requests. `PYTHONPATH=src python3 benchmarks/gpu_flex_check.py`"""
 
 import sys
 import threading

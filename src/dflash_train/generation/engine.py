@@ -51,8 +51,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..inference.attention import (SDPA_NAMES, RowLengthMask, grouped_rows, restore_sdpa, use_packed_gqa,
-                                   use_row_length_flex)
+from ..inference.attention import SDPA_NAMES, RowLengthMask, restore_sdpa, use_packed_gqa, use_row_length_flex
 from ..models.cuda_graph import GraphedStep, resolve_graphs
 from ..inference.decoding import device_sync
 from ..inference.target_runner import StaticKVCache, cache_kwarg_name
@@ -260,7 +259,9 @@ class Engine:
         self.out = torch.zeros(b, max_len, dtype=torch.long, device=dev)  # generated tokens per row
         self.stop_ids = torch.tensor(sorted({int(t) for t in stop_ids}), dtype=torch.long, device=dev)
         self.kv_idx = torch.arange(max_len, device=dev)
-        self._rows_mask = (RowLengthMask(self.pos, self.finished, max_len, q_rows=grouped_rows(hf.config))
+        # the query heads of a K/V head as rows of that head (inference/attention.row_length_attention)
+        self._rows_mask = (RowLengthMask(self.pos, self.finished, max_len,
+                                         q_rows=info.num_attention_heads // info.num_key_value_heads)
                            if self.flex else None)
         # Host state per row: the request, its prompt length, its last possible slot, the step it was prefilled at.
         b = batch_size  # the host tracks the real rows only

@@ -137,19 +137,13 @@ def use_row_length_flex(hf) -> bool:
     return True
 
 
-def grouped_rows(config) -> int:
-    """The query heads per K/V head of an HF config: the rows a decoding step's query becomes (RowLengthMask)."""
-    heads = config.num_attention_heads
-    return heads // (getattr(config, "num_key_value_heads", None) or heads)
-
-
 class RowLengthMask:
     """Builds the decode step's BlockMask from per-row state, with device ops only (a CUDA graph holds it).
 
     ends [rows] long and done [rows] bool are buffers whose contents change between steps (not their addresses):
     row r sees slots 0..ends[r], or none when done[r]. One mask_mod for the object's life, so a compiled
     flex_attention sees the same closure at every call. q_rows: the mask's query rows, every one seeing the same
-    slots: the query heads that share a K/V head (row_length_attention folds them into rows; grouped_rows)."""
+    slots: the query heads that share a K/V head (row_length_attention folds them into rows)."""
 
     def __init__(self, ends: torch.Tensor, done: torch.Tensor, slots: int, tile: int = 128, q_rows: int = 1):
         self.ends, self.done, self.slots, self.tile, self.q_rows = ends, done, slots, tile, q_rows

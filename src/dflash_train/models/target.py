@@ -419,6 +419,7 @@ class RowFeatures:
             self._row, self._feats = None, None  # the last row's tensor is not kept alive during the forward
             feats = compute()
             self.computed += 1
+            self._device = feats.device
             if self.budget_bytes or self.host_budget_bytes:
                 if len(self.kept) < self._capacity_for(feats):
                     self.kept[row] = feats
@@ -429,7 +430,6 @@ class RowFeatures:
 
     def _capacity_for(self, feats: torch.Tensor) -> int:
         if self.capacity is None:
-            self._device = feats.device
             row_bytes = feats.numel() * feats.element_size()
             budget = self.budget_bytes
             if feats.device.type == "cuda":  # the driver's free memory and what this process's allocator holds idle

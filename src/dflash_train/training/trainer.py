@@ -76,9 +76,9 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     logger = MetricsLogger(setup.out_dir, setup.total_steps, cfg.train.token_budget, cfg.train.log_every,
                            start_step=start_step, budget=budget)
     pad_id = getattr(setup.tokenizer, "pad_token_id", None) or 0
-    rows = build_validation_rows(setup.data.heldout, cfg, target, device, pad_id,
-                                 sources=setup.data.heldout_sources, keys=setup.data.heldout_keys)
-    validator = Validator(rows, setup.out_dir, cfg.train.eval_every, setup.total_steps, logger)
+    validator = Validator(build_validation_rows(setup.data.heldout, cfg, target, device, pad_id,
+                                                sources=setup.data.heldout_sources, keys=setup.data.heldout_keys),
+                          setup.out_dir, cfg.train.eval_every, setup.total_steps, logger)
     step = start_step
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     window = StepWindow()  # the steps since the last log line
