@@ -11,6 +11,8 @@
 #                 (train.feature_cache_host_gb), and against the same fixed rows with nothing kept
 #   check_val     the tiny pipeline with validation through the training graph, then through its own (same numbers)
 #   check_flex    the engine's flex decode attention, folded and grouped, timed; the engine in a worker thread
+#   check_compile the drafter's flex attention (fwd + bwd, Qwen3-8B shape) compiled cold, per kernel-option set
+#                 (COMPILE_SETS, default all of benchmarks/gpu_flex_compile.py's), each kernel's compile timed
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)
 #   poll     wait until the demo ends or POLL_S seconds (default 500) pass, then the demo log's last lines (issue the
@@ -133,7 +135,14 @@ EOF2
 # as grouped heads against fp32 SDPA, each timed (TB/s of K/V read), then the engine in a worker thread.
 check_flex() {
   banner "flex decode attention and the engine in a thread"
-  timeout 300 python3 benchmarks/gpu_flex_check.py 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -12
+  # inductor's autotune tables (12 lines a kernel) left out: on 2026-12-04 they pushed the folded line out of a tail
+  timeout 300 python3 benchmarks/gpu_flex_check.py 2>&1 |
+    grep -v -E "it/s\]|s/it\]|^Autotune Choices|^\{\"num_choices|^AUTOTUNE|^strides:|^dtypes:|^  triton_|^SingleProcess" | tail -12
+}
+
+check_compile() {
+  banner "the drafter's flex attention compiled cold at the Qwen3-8B shape, per kernel-option set"
+  timeout ${COMPILE_S:-480} python3 benchmarks/gpu_flex_compile.py ${COMPILE_SETS:-} 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -12
 }
 
 join() {

@@ -37,8 +37,8 @@ from .config import Config, load_config
 log = logging.getLogger("dflash_train")
 
 RECIPE = "smollm2_demo"
-# One H200: ~4 minutes of regeneration (the first answer of every ShareGPT conversation, then 60,000 prompts the
-# target writes itself; at most 6 minutes) while a child process compiles the training step (training/warmup.py),
+# One H200: ~4 minutes of regeneration (the first answer of every ShareGPT conversation, then 100,000 prompts the
+# target writes itself; at most 7 minutes; demo-m, 2026-12-04: 4:15) while a child process compiles the training step (training/warmup.py),
 # then 10.5 minutes of training whose LR schedule follows the clock (training/optim.py, follows_clock) over at most 10
 # epochs of the data; the drafter's layers start as copies of the target's last ones (model.drafter_layer_init);
 # 8,192-token rows with 1,024 anchors, the target's forward compiled and replayed as a CUDA graph (flex attention),
@@ -46,7 +46,7 @@ RECIPE = "smollm2_demo"
 # later epochs, up to 100 GiB (train.feature_cache_gb; demo-k, 2026-12-04: 2,275 of 2,693 rows, 1.37x the tokens/s
 # after the first epoch, peak 106 of 140 GiB).
 GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenerate_first_turn_only=true",
-                 "data.self_prompts=60000", "data.regenerate_minutes=6", "data.max_length=2048",
+                 "data.self_prompts=100000", "data.regenerate_minutes=7", "data.max_length=2048",
                  "train.token_budget=8192", "train.num_anchors=1024", "train.lr=4e-3", "train.warmup_ratio=0.04",
                  "train.max_steps=null", "train.epochs=10", "train.max_minutes=10.5",
                  "train.log_every=100", "train.eval_every=500", "train.eval_rows=4", "train.checkpoint_every=2000",
@@ -75,8 +75,8 @@ EVAL_PLAN = {"cpu": [("yardstick", 3, 32), ("heldout", 3, 32)],
 USER_PROMPTS_NEW_TOKENS = {"cpu": 32, "cuda": 256}
 SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "held out from the training data"}
 # Printed by the CPU demo: what the same command reaches on a GPU (docs/BENCHMARKS.md, "The GPU demo").
-GPU_REFERENCE = ("On one H200 (2026-12-04), `dflash-train demo --device cuda` measured tau 3.71 (2.17x) on the "
-                 "yardstick and 3.74 (2.25x) on held-out ShareGPT, lossless, in 18:08 with its data regenerated "
+GPU_REFERENCE = ("On one H200 (2026-12-04), `dflash-train demo --device cuda` measured tau 3.79 (2.21x) on the "
+                 "yardstick and 3.93 (2.32x) on held-out ShareGPT, lossless, in 18:26 with its data regenerated "
                  "(docs/BENCHMARKS.md, \"The GPU demo\").")
 HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf"
 WARMUP_WAIT_S = 240  # after the regeneration, at most this long for the compile warm-up (training/warmup.py)

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Why the drafter's flex step compiles for minutes at the Qwen3-8B shape (issue #16, fast start).
+
+At that shape a cold start spent 237 s compiling the training step with flex attention and 36 s with a dense mask
+(`train.attention=sdpa`, docs/gpu-runs/2026-12-04-startup-n), 212 s of the first in `async_compile.wait`: waiting on
+Triton. This probe compiles the DFlash flex attention alone (training/objective.py's mask, built inside the graph as
+the step builds it), forward and backward, at that shape (512 blocks of 16 queries on a 4,096-token row, 32 query /
+8 K/V heads of 128), once per kernel-option set, each in its own process with empty inductor and Triton caches.
+Triton compiles in that process (compile_threads=1) so each kernel's compile is timed by name. Prints, per set, the
+first call's wall time (fwd + bwd, compiling included), the slowest kernel compiles, and the call's time after.
+
+  PYTHONPATH=src python3 benchmarks/gpu_flex_compile.py [SET ...]     # sets: default, tiles64, stages1 (default all)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+# Kernel options flex_attention accepts (forward BLOCK_M/N, backward BLOCK_M1/N1/M2/N2): smaller tiles and fewer
+# pipeline stages make smaller kernels, which compile faster and may run slower. The mask's tile stays 128.
+SETS = {
+    "default": {},
+    "tiles64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
+    "stages1": {"num_stages": 1},
+}
+A, B, T, H, HKV, D = 512, 16, 4096, 32, 8, 128
+
+
+def child(name: str) -> None:
+    import torch
+    import torch._inductor.config as inductor_config
+    import triton
+
+    from dflash_train.training.cudagraphs import configure_cudagraphs
+    from dflash_train.training.objective import FlexMask, flex_block_mask
+
+    inductor_config.compile_threads = 1  # compile in this process, so each kernel's compile is timed below
+    configure_cudagraphs()
+    compiles: list[tuple[float, str]] = []
+    real_compile = triton.compile
+
+    def timed_compile(src, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = real_compile(src, *args, **kwargs)
+        fn = getattr(src, "fn", None)
+        compiles.append((time.perf_counter() - t0, getattr(fn, "__name__", None) or getattr(src, "name", "?")))
+        return out
+
+    triton.compile = timed_compile
+    options = SETS[name]
+
+    def attention(q, k, v, anchors, doc_ids, kv_num, kv_idx, full_num, full_idx):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        mask = FlexMask(anchors, doc_ids, kv_num, kv_idx, full_num, full_idx, B)
+        out = flex_attention(q, k, v, block_mask=mask.block_mask(), enable_gqa=True, kernel_options=options or None)
+        return out.float().square().mean()
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    N = A * B
+    q = torch.randn(1, H, N, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, HKV, T + N, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, HKV, T + N, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    doc_ids = torch.zeros(T, dtype=torch.long, device=dev)                  # one document a row, as the bench's
+    anchors = torch.randperm(T - B, device=dev)[:A].sort().values + 1
+    m = flex_block_mask(anchors, doc_ids, B)
+    inputs = (q, k, v, anchors, doc_ids, m.kv_num, m.kv_idx, m.full_num, m.full_idx)
+    fn = torch.compile(attention, dynamic=False, fullgraph=True)
+
+    def call():
+        q.grad = k.grad = v.grad = None
+        fn(*inputs).backward()
+
+    t0 = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    first_s = time.perf_counter() - t0
+    for _ in range(3):
+        call()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        call()
+    end.record()
+    torch.cuda.synchronize()
+    compiles.sort(reverse=True)
+    print(json.dumps(dict(set=name, options=options, first_call_s=round(first_s, 1),
+                          call_ms=round(start.elapsed_time(end) / 10, 2), kernels=len(compiles),
+                          compile_s=round(sum(s for s, _ in compiles), 1),
+                          slowest=[(round(s, 1), n) for s, n in compiles[:5]])))
+
+
+def main(names: list[str]) -> None:
+    for name in names or list(SETS):
+        if name not in SETS:
+            sys.exit(f"unknown set {name!r}; sets: {', '.join(SETS)}")
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton")
+            t0 = time.perf_counter()
+            proc = subprocess.run([sys.executable, __file__, "--child", name], env=env, capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+            if proc.returncode or not lines:
+                print(f"{name}: failed (exit {proc.returncode}) after {time.perf_counter() - t0:.0f} s:\n"
+                      + "\n".join(proc.stderr.splitlines()[-8:]))
+                continue
+            r = json.loads(lines[-1])
+            print(f"{name} {r['options']}: first call (fwd + bwd, compiling included) {r['first_call_s']} s, "
+                  f"{r['kernels']} Triton compiles in {r['compile_s']} s, the slowest {r['slowest']}; after: "
+                  f"{r['call_ms']} ms a call", flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2])
+    else:
+        main(sys.argv[1:])
