@@ -14,7 +14,10 @@ That is `decode_attention="mask"` (cuDNN's masked SDPA; the default on CPU). On 
 steps and reads only its own 128-slot tiles (flex attention with a BlockMask of per-row tile counts built on the
 device, none for an ended row; inference/attention.RowLengthMask), one graph per `sampled`. On an H200 it read
 1.24-1.39x the K/V the rows need instead of 2.5-2.95x and ran 1.15-1.43x the masked engine's tokens/s; a flex step
-that fails to build falls back to the masked one with a warning.
+that fails to build falls back to the masked one with a warning. The query heads of a K/V head enter flex as rows of
+that head (q_rows = H / H_kv): torch takes grouped heads into its decoding kernel only at a power-of-two ratio
+(SmolLM2 has 9 on 3), and rows need no grouping; in the demo of 2026-12-04 the answers to self-written prompts went
+from 99.7k to 156.7k generated tokens/s with it (docs/BENCHMARKS.md, "Regeneration engine").
 
 Refill: a row that ends (a stop token, kept, or its own max_new_tokens) stays frozen on the device (it rewrites its
 last slot, its count stops) until the host looks, every CHECK_EVERY steps: one host sync reads which rows ended and
