@@ -13,6 +13,7 @@
 #   check_flex    the engine's flex decode attention, folded and grouped, timed; the engine in a worker thread
 #   check_compile the drafter's flex attention (fwd + bwd, Qwen3-8B shape) compiled cold, per kernel-option set
 #                 (COMPILE_SETS, default all of benchmarks/gpu_flex_compile.py's), each kernel's compile timed
+#   profile_drafter  the demo's drafter step alone (benchmarks/gpu_profile.py drafter, v1): ms a step, top kernels
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)
 #   poll     wait until the demo ends or POLL_S seconds (default 500) pass, then the demo log's last lines (issue the
@@ -143,6 +144,12 @@ check_flex() {
 check_compile() {
   banner "the drafter's flex attention compiled cold at the Qwen3-8B shape, per kernel-option set"
   timeout ${COMPILE_S:-480} python3 benchmarks/gpu_flex_compile.py ${COMPILE_SETS:-} 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -12
+}
+
+profile_drafter() {
+  banner "the demo's drafter step (8 layers, 8,192 x 1,024 x 16): compiled time, eager kernel breakdown"
+  PROFILE_ARCHS=dflash timeout ${PROFILE_S:-150} python3 benchmarks/gpu_profile.py drafter 2>&1 |
+    grep -v -E "it/s\]|s/it\]" | tail -40
 }
 
 join() {

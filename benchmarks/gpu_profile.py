@@ -7,6 +7,7 @@
   PYTHONPATH=src python3 benchmarks/gpu_profile.py target     # the training target stage: one 8,192-token row
   PYTHONPATH=src python3 benchmarks/gpu_profile.py drafter    # the drafter training step (v1 and DFlash 2): the
                                                               # demo's bottleneck, at the demo's 8,192 x 1,024 x 16
+                                                              # with 8 layers (PROFILE_ARCHS=dflash: v1 only)
 
 Random-init weights of SmolLM2-135M's shape (speed does not depend on the values), bf16, one GPU. Prints, per
 case, the time per call (CUDA events, median of 5 after warm-up) and the top kernels of one profiled call, eager:
@@ -274,7 +275,7 @@ def profile_drafter() -> None:
     ctx = harness.Context(suite)
     batches, _ = train_batches(ctx, suite=suite)
     with torch.enable_grad():
-        for arch in ("dflash", "dflash2"):
+        for arch in os.environ.get("PROFILE_ARCHS", "dflash dflash2").split():
             for mode in ("reduce-overhead", "eager"):
                 rig = DrafterRig(ctx, mode, "flex", tag=f"profile-{arch}-{mode}", suite=suite, architecture=arch)
                 feats = torch.randn(suite.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size,

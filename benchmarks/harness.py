@@ -72,10 +72,11 @@ SUITES = {
 }
 # `--suite gpu-smollm2`: the demo's GPU recipe (smollm2_gpu.yaml) at SmolLM2-135M's shape, random init (a Qwen3 config
 # of SmolLM2's sizes: same matmuls and attention; real weights do not change the speed): rows of 8,192 tokens
-# holding 29 documents of ~282 tokens (the regenerated ShareGPT data's average), 1,024 anchors x 16.
+# holding 29 documents of ~282 tokens (the regenerated ShareGPT data's average), 1,024 anchors x 16, and the demo's
+# 8 drafter layers (5 before 2026-12-04).
 SUITES["gpu-smollm2"] = dataclasses.replace(
     SUITES["gpu"], name="gpu-smollm2", target=SMOLLM2_135M, token_budget=8192, num_anchors=1024, num_docs=29,
-    target_seqs=[8192], target_compile_seqs=[8192])
+    draft_layers=8, target_seqs=[8192], target_compile_seqs=[8192])
 # `--suite cpu-generate --only generate`: batched generation at a shape where the KV cache, not Python, dominates.
 SUITES["cpu-generate"] = dataclasses.replace(
     SUITES["cpu-smoke"], name="cpu-generate", cpu_threads=1,
