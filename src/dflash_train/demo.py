@@ -38,13 +38,13 @@ log = logging.getLogger("dflash_train")
 
 RECIPE = "smollm2_demo"
 # One H200: ~4 minutes of regeneration (the first answer of every ShareGPT conversation, then 100,000 prompts the
-# target writes itself; at most 7 minutes; demo-m, 2026-12-04: 4:15) while a child process compiles the training step (training/warmup.py),
-# then 10.5 minutes of training whose LR schedule follows the clock (training/optim.py, follows_clock) over at most 10
-# epochs of the data; the drafter's layers start as copies of the target's last ones (model.drafter_layer_init);
-# 8,192-token rows with 1,024 anchors, the target's forward compiled and replayed as a CUDA graph (flex attention),
-# validation every 500 steps on 4 held-out rows. The first epoch's rows keep their target features on the GPU for the
-# later epochs, up to 100 GiB (train.feature_cache_gb; demo-k, 2026-12-04: 2,275 of 2,693 rows, 1.37x the tokens/s
-# after the first epoch, peak 106 of 140 GiB).
+# target writes itself; at most 7 minutes; 4:15 in demo-m, 2026-12-04) while a child process compiles the training
+# step (training/warmup.py), then 10.5 minutes of training whose LR schedule follows the clock (training/optim.py,
+# follows_clock) over at most 10 epochs of the data (~5 in demo-m); the drafter's 8 layers start as copies of the
+# target's last ones (model.drafter_layer_init); 8,192-token rows with 1,024 anchors, the target's forward compiled
+# and replayed as a CUDA graph (flex attention), validation every 500 steps on 4 held-out rows. The first epoch's rows
+# keep their target features on the GPU for the later epochs, up to 100 GiB (train.feature_cache_gb; demo-m: 2,275
+# of its 3,988 rows, peak 107 of 140 GiB).
 GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenerate_first_turn_only=true",
                  "data.self_prompts=100000", "data.regenerate_minutes=7", "data.max_length=2048",
                  "train.token_budget=8192", "train.num_anchors=1024", "train.lr=4e-3", "train.warmup_ratio=0.04",
