@@ -11,6 +11,7 @@
 #                 (train.feature_cache_host_gb), and against the same fixed rows with nothing kept
 #   check_val     the tiny pipeline with validation through the training graph, then through its own (same numbers)
 #   check_flex    the engine's flex decode attention, folded and grouped, timed; the engine in a worker thread
+#   check_anchors the tiny pipeline with train.anchor_sampling=decoding (anchors drawn on the device)
 #   check_compile the drafter's flex attention (fwd + bwd, Qwen3-8B shape) compiled cold, per kernel-option set
 #                 (COMPILE_SETS, default all of benchmarks/gpu_flex_compile.py's), each kernel's compile timed
 #   profile_drafter  the demo's drafter step alone (benchmarks/gpu_profile.py drafter, v1): ms a step, top kernels
@@ -130,6 +131,13 @@ for kind in ("train", "val"):
         rows = [(r["step"], round(r["loss"], 4)) for r in recs if r.get("split") == kind and "loss" in r]
         print(f"{kind:5s} {g:8s}", rows[-4:])
 EOF2
+}
+
+# train.anchor_sampling=decoding on the GPU (the target's token probabilities in its compiled, graphed forward;
+# anchors drawn on the device in the drafter's thread, reduce-overhead step): the tiny pipeline.
+check_anchors() {
+  banner "tiny pipeline on the GPU: anchors drawn where the target was unsure (train.anchor_sampling=decoding)"
+  tiny_run /tmp/tinyanchors train.anchor_sampling=decoding
 }
 
 # The engine's flex decode attention on the GPU (benchmarks/gpu_flex_check.py): the grouped query heads as rows and

@@ -367,6 +367,12 @@ class TrainConfig:
                                "cross-entropy against the target's own next-token distribution (its final hidden "
                                "state through the frozen LM head, chunk by chunk). 0 = hard CE only (the target "
                                "stops after its deepest tapped layer), 1 = KD only (the target runs every layer).")
+    anchor_sampling: str = _f("uniform", "Where a training row's blocks start. uniform: any valid anchor alike. "
+                                         "decoding: as speculative decoding starts them, after the drafter's misses, "
+                                         "which fall where the target was unsure of its own token: each valid anchor "
+                                         "drawn with weight 0.1 + (1 - p), p the target's probability of the "
+                                         "anchor's token (the target then runs every layer and its LM head once a "
+                                         "row).")
     max_minutes: float | None = _f(None, "Time budget: stop after the first step that ends past this many minutes of "
                                          "training (loading, tokenizing and compile warm-up not counted), write the "
                                          "checkpoint and the drafter, and finish normally. Without max_steps the LR "
@@ -447,6 +453,7 @@ class TrainConfig:
                               ("dtype", ("auto", "bf16", "fp32")),
                               ("nonfinite", ("skip", "stop")),
                               ("position_weights", ("decay", "dynamic")),
+                              ("anchor_sampling", ("uniform", "decoding")),
                               ("optimizer", ("adamw", "muon"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"train.{name} must be one of {', '.join(allowed)} "

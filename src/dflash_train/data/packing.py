@@ -74,6 +74,30 @@ class PackedRow:
     loss_mask: torch.Tensor     # [T] bool
 
 
+ANCHOR_FLOOR = 0.1  # train.anchor_sampling=decoding: the weight of an anchor whose token the target was sure of
+
+
+def decoding_anchors(loss_mask: torch.Tensor, doc_ids: torch.Tensor, token_probs: torch.Tensor, num_anchors: int,
+                     generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors drawn as speculative decoding starts its blocks (train.anchor_sampling=decoding), on any device and
+    without a host sync -> anchors [A] (sorted, padded with anchor 0 marked invalid, as sample_anchors), valid [A].
+
+    Decoding starts a block after the drafter's first miss, and misses fall where the target itself was unsure: on
+    held-out ShareGPT replies (SmolLM2, demo-m's drafter) the 28% of tokens the target gave p < 0.5 held 58% of the
+    walk's anchors. So each valid anchor a is drawn with weight ANCHOR_FLOOR + (1 - p[a]), token_probs [T] being
+    the target's probability of each token given the ones before it (TargetModel.own_token_probs); A of them
+    without replacement, by the Gumbel top-k trick (log weight + Gumbel noise, the A largest)."""
+    valid_pos = valid_anchor_positions(loss_mask, doc_ids)
+    weight = ANCHOR_FLOOR + (1 - token_probs.float()).clamp(0, 1)
+    u = torch.rand(weight.shape, generator=generator, device=weight.device).clamp_min(1e-20)
+    keys = torch.where(valid_pos, weight.log() - (-u.log()).log(), float("-inf"))
+    top = keys.topk(num_anchors)
+    valid = top.values > float("-inf")
+    order = torch.where(valid, top.indices, keys.shape[0]).argsort()  # the chosen ones in order, then the padding
+    valid = valid[order]
+    return torch.where(valid, top.indices[order], 0), valid
+
+
 @dataclass
 class TrainBatch:
     """Everything one drafter step needs except the target features. All shapes fixed: T and A."""

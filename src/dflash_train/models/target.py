@@ -3,9 +3,10 @@
 `TargetModel.features()` returns the outputs of `layer_ids` concatenated per token (`[T, k*H]`) for one packed row;
 with `final_hidden=True` (distillation) the target's final normed hidden state follows them (`[T, (k+1)*H]`: the
 state its LM head turns into next-token logits; the logits themselves are formed later, in the drafter's chunked
-loss). Layers after the deepest tapped one are dropped when `truncate=True` and the final hidden state is not asked
-for (the LM head never runs here), and packed documents never attend to each other: the row gets a block-diagonal
-causal (document) mask.
+loss); with `anchor_weights=True` (train.anchor_sampling=decoding) one last column holds the target's probability of
+each token given the ones before it, the LM head run here, chunk by chunk. Layers after the deepest tapped one are
+dropped when `truncate=True` and neither is asked for, and packed documents never attend to each other: the row
+gets a block-diagonal causal (document) mask.
 
 Two ways to apply that mask (`model.target_attention`):
 - `sdpa`: a dense [1, 1, T, T] boolean mask. Exact and simple, but an arbitrary mask keeps SDPA off its flash kernel:
@@ -163,6 +164,7 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 TARGET_ATTENTION = ("sdpa", "flex", "auto")
+OWN_PROB_CHUNK = 1024  # rows of the LM head at once in own_token_probs (train.anchor_sampling=decoding)
 _HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention"}
 
 
@@ -237,7 +239,8 @@ class TargetInfo:
 class TargetModel(nn.Module):
     """A frozen HF causal LM with forward hooks on the tapped decoder layers."""
 
-    def __init__(self, hf_model: nn.Module, layer_ids: list[int], truncate: bool = True, final_hidden: bool = False):
+    def __init__(self, hf_model: nn.Module, layer_ids: list[int], truncate: bool = True, final_hidden: bool = False,
+                 anchor_weights: bool = False):
         super().__init__()
         base = getattr(hf_model, "model", None)
         layers = getattr(base, "layers", None)
@@ -250,9 +253,9 @@ class TargetModel(nn.Module):
             raise TargetError(f"target_layer_ids {layer_ids} must be non-empty and within 0..{self.info.num_layers - 1}"
                               f" for this {self.info.num_layers}-layer target.")
         self.layer_ids = list(layer_ids)
-        self.final_hidden = final_hidden
+        self.final_hidden, self.anchor_weights = final_hidden, anchor_weights
         self.hf = hf_model.eval().requires_grad_(False)
-        if truncate and not final_hidden:
+        if truncate and not (final_hidden or anchor_weights):
             # Layers after the deepest tap never influence the features: don't run them.
             base.layers = nn.ModuleList(list(layers)[: max(layer_ids) + 1])
         self._taps: dict[int, torch.Tensor] = {}
@@ -287,7 +290,8 @@ class TargetModel(nn.Module):
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
         """input_ids, position_ids, doc_ids: [T] -> feats [T, k*H] (target dtype); [T, (k+1)*H] with final_hidden,
-        the last H columns being the final normed hidden state (row p predicts token p + 1).
+        the last H columns being the final normed hidden state (row p predicts token p + 1); with anchor_weights one
+        more column, the target's probability of each token given the ones before it (`own_token_probs`).
 
         Not thread-safe per instance (hooks write into self._taps): one target worker per TargetModel."""
         self._taps.clear()
@@ -297,9 +301,25 @@ class TargetModel(nn.Module):
         taps = [self._taps[i][0] for i in self.layer_ids]
         if self.final_hidden:
             taps.append(out.last_hidden_state[0])  # HF base models apply the final norm before returning it
+        if self.anchor_weights:
+            taps.append(self.own_token_probs(out.last_hidden_state[0], input_ids).to(taps[0].dtype)[:, None])
         feats = torch.cat(taps, dim=-1)
         self._taps.clear()
         return feats
+
+    def own_token_probs(self, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H] (final normed), input_ids [T] -> [T] fp32: p[q] = the target's probability of token q given
+        tokens < q (its LM head on row q - 1), p[0] = 1; at a document's first token the row before belongs to the
+        previous document, a value no anchor uses (anchors are reply tokens). Chunked so that at most
+        OWN_PROB_CHUNK x V logits exist at once."""
+        T = input_ids.shape[0]
+        probs = [torch.ones(1, device=hidden.device)]
+        for s in range(0, T - 1, OWN_PROB_CHUNK):
+            e = min(s + OWN_PROB_CHUNK, T - 1)
+            logits = self.lm_head(hidden[s:e]).float()                          # rows s..e-1 predict tokens s+1..e
+            picked = logits.gather(1, input_ids[s + 1:e + 1, None])[:, 0]
+            probs.append((picked - torch.logsumexp(logits, dim=-1)).exp())
+        return torch.cat(probs)
 
     @torch.no_grad()
     def forward_with_cache(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -345,16 +365,18 @@ def load_causal_lm(target: str | None, device: str | torch.device = "cpu", dtype
 
 def load_target(target: str | None, layer_ids: list[int] | None = None, num_feature_layers: int = 5,
                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                truncate: bool = True, attention: str = "sdpa", final_hidden: bool = False) -> TargetModel:
+                truncate: bool = True, attention: str = "sdpa", final_hidden: bool = False,
+                anchor_weights: bool = False) -> TargetModel:
     """Load the frozen target from a local directory or GGUF file onto `device` (bf16 on GPU, fp32 on CPU).
 
     attention: how features() masks packed documents, sdpa | flex | auto (module docstring). The inference path
     (forward_with_cache) builds its own dense masks and needs 'sdpa'. final_hidden: features() also returns the
-    final normed hidden state (distillation, train.kd_weight > 0); every layer then runs, whatever `truncate`."""
+    final normed hidden state (distillation, train.kd_weight > 0); anchor_weights: and, last, the target's
+    probability of each token (train.anchor_sampling=decoding); with either, every layer runs, whatever `truncate`."""
     hf = load_causal_lm(target, device, dtype, attention)
     n = hf.config.num_hidden_layers
     ids = list(layer_ids) if layer_ids else default_layer_ids(n, num_feature_layers)
-    return TargetModel(hf, ids, truncate=truncate, final_hidden=final_hidden)
+    return TargetModel(hf, ids, truncate=truncate, final_hidden=final_hidden, anchor_weights=anchor_weights)
 
 
 def host_memory_available() -> float:

@@ -127,7 +127,8 @@ class _Pipeline:
             raise ConfigError("model.target_graphs=true needs CUDA target devices (CUDA graphs); set it to false "
                               "on CPU.")
         targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d,
-                               attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0)
+                               attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0,
+                               anchor_weights=cfg.train.anchor_sampling == "decoding")
                    for d in target_devices]
         if state is None and not cfg.model.drafter_init and cfg.model.drafter_layer_init == "random":
             init_output_norm(init, targets[0].lm_head.weight)  # before replicas copy it: the same on every rank

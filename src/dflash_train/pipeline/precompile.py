@@ -132,7 +132,8 @@ def main(argv: list[str]) -> int:
     dcfg = drafter_config_from_json(json.loads(Path(drafter_json).read_text()))
     t = cfg.train
     target = load_target(cfg.model.target, dcfg.target_layer_ids, device=torch.device(target_device),
-                         attention=cfg.model.target_attention, final_hidden=t.kd_weight > 0)
+                         attention=cfg.model.target_attention, final_hidden=t.kd_weight > 0,
+                         anchor_weights=t.anchor_sampling == "decoding")
     batch = dummy_batch(t.token_budget, t.num_anchors)
     for part in parts.split(","):
         t0 = time.perf_counter()

@@ -15,11 +15,13 @@ own device and its own compiled function, so a graph only ever sees one address 
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import torch
 
 from ..config import TrainConfig
+from ..data.packing import decoding_anchors
 from ..devices import DTYPES
 from ..models.drafter import DFlashDrafter
 from .cudagraphs import configure_cudagraphs
@@ -78,8 +80,12 @@ class DrafterStep:
         self.loss_chunk = cfg.loss_chunk
         self.kd_weight = cfg.kd_weight
         # feats [T, feats_width]: k*H tapped, then H more (the target's final hidden state) when distilling
-        # (load_target(..., final_hidden=True) appends it).
-        self.feats_width = drafter.fc.in_features + (self.head_w.shape[1] if self.kd_weight > 0 else 0)
+        # (load_target(..., final_hidden=True) appends it), then with train.anchor_sampling=decoding one column of the
+        # target's own token probabilities (load_target(..., anchor_weights=True)), which picks the anchors and is
+        # cut off before the loss.
+        self.anchor_sampling, self.seed = cfg.anchor_sampling, cfg.seed
+        self.loss_feats_width = drafter.fc.in_features + (self.head_w.shape[1] if self.kd_weight > 0 else 0)
+        self.feats_width = self.loss_feats_width + (self.anchor_sampling == "decoding")
         self.compile_mode = cfg.compile
         # Own, persistent .grad buffers: backward then *accumulates* (copies) into them. A None grad would instead
         # steal the CUDA graph's static output buffer, which a later replay may overwrite (training silently
@@ -104,10 +110,27 @@ class DrafterStep:
         return torch.compile(fn, mode=None if self.compile_mode == "default" else self.compile_mode,
                              dynamic=False, fullgraph=False)
 
-    def _run(self, loss_fn, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
-        if feats.shape[1] != self.feats_width:  # a plumbing bug: the target was loaded for the other objective
+    def _loss_feats(self, feats: torch.Tensor) -> torch.Tensor:
+        """feats as the target sent them -> what the loss takes (the anchor weights' column cut off)."""
+        if feats.shape[1] != self.feats_width:  # a plumbing bug: the target was loaded for another objective
             raise ValueError(f"feats of width {feats.shape[1]} for a step expecting {self.feats_width}: with "
-                             f"train.kd_weight={self.kd_weight} load the target with final_hidden={self.kd_weight > 0}")
+                             f"train.kd_weight={self.kd_weight} and train.anchor_sampling={self.anchor_sampling} load "
+                             f"the target with final_hidden={self.kd_weight > 0} and "
+                             f"anchor_weights={self.anchor_sampling == 'decoding'}")
+        return feats[:, :self.loss_feats_width]
+
+    def _anchored(self, batch, feats: torch.Tensor):
+        """train.anchor_sampling=decoding: the batch with anchors drawn from the target's token probabilities (the
+        last column of feats; data/packing.decoding_anchors), seeded by (train.seed, batch index) so that a resumed
+        run draws the same ones; uniform: the loader's anchors as they are."""
+        if self.anchor_sampling != "decoding":
+            return batch
+        g = torch.Generator(device=feats.device)
+        g.manual_seed((self.seed * 1_000_003 + batch.index + 1) % 2**63)
+        anchors, valid = decoding_anchors(batch.loss_mask, batch.doc_ids, feats[:, -1], batch.anchors.shape[0], g)
+        return dataclasses.replace(batch, anchors=anchors, anchor_valid=valid)
+
+    def _run(self, loss_fn, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
         return loss_fn(self.drafter, self.embed_w, self.head_w, feats.to(self.dtype), batch.input_ids,
                        batch.position_ids, batch.doc_ids, batch.loss_mask, batch.anchors, batch.anchor_valid,
                        self.block_size, self.gamma, self.attention, self.loss_chunk, self.dtype, self.kd_weight,
@@ -116,7 +139,7 @@ class DrafterStep:
     def __call__(self, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
         """batch: TrainBatch on self.device; feats [T, feats_width] (k*H; (k+1)*H when distilling). Returns detached
         metric tensors (no host sync)."""
-        out = self._run(self._loss, batch, feats)
+        out = self._run(self._loss, self._anchored(batch, feats), self._loss_feats(feats))
         out["loss"].backward()
         # CUDA-graph outputs live in static buffers overwritten by the next replay: keep private copies.
         return {k: out[k].detach().clone() for k in METRIC_KEYS}
@@ -129,6 +152,7 @@ class DrafterStep:
         no_grad the same function would compile a second graph) and the record is dropped with `out`; the graph's
         static outputs, the activations saved for a backward among them, are overwritten by the next replay, and
         no backward is pending here (validation runs between steps)."""
+        feats = self._loss_feats(feats)  # validation scores the anchors it is given, every one of a row's
         if self._eval_loss is None:
             with torch.enable_grad():
                 out = self._run(self._loss, batch, feats)

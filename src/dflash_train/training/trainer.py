@@ -56,7 +56,8 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None, regenerate=N
 def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     device = parse_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices")
     target = load_target(cfg.model.target, setup.drafter.config.target_layer_ids, device=device,
-                         attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0)
+                         attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0,
+                         anchor_weights=cfg.train.anchor_sampling == "decoding")
     ckpt = CheckpointManager(setup.out_dir, cfg.train.keep_checkpoints)
 
     drafter, state = resume_point(cfg.run.resume, ckpt, setup.drafter)
