@@ -207,6 +207,20 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def single_loop_as_the_pipeline_runs(cfg):
+    """train_single_device(cfg) with the intra-op threads the pipeline gives each of its two CPU workers (the
+    pipeline splits the cores between them), so that its numbers can equal the pipeline's bit for bit."""
+    from dflash_train.pipeline.devices import cpu_threads_per_worker
+    from dflash_train.training.trainer import train_single_device
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
+    try:
+        return train_single_device(cfg)
+    finally:
+        torch.set_num_threads(old)
+
+
 def assert_same_weights(dir_a, dir_b) -> None:
     """Two servable drafter directories hold bit-identical weights."""
     from pathlib import Path

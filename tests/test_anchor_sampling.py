@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_same_weights
+from conftest import assert_same_weights, single_loop_as_the_pipeline_runs
 
 from dflash_train.config import ConfigError, TrainConfig, load_config
 from dflash_train.data.packing import ANCHOR_FLOOR, decoding_anchors, valid_anchor_positions
 from dflash_train.models.target import load_target
 from dflash_train.pipeline.coordinator import train_pipeline
-from dflash_train.pipeline.devices import cpu_threads_per_worker
-from dflash_train.training.trainer import train_single_device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,12 +106,7 @@ def test_decoding_anchors_learn_and_the_pipeline_equals_the_single_loop(tiny_lla
     its anchors from that column, and the drafter still learns the synthetic stream; the pipeline reproduces the
     single-thread loop bit for bit (the same anchors: seeded by the batch index, not by the thread)."""
     pipe = train_pipeline(_cfg(tiny_llama, tmp_path / "pipe"))
-    old = torch.get_num_threads()  # the pipeline splits the cores between its CPU workers: match them
-    torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
-    try:
-        ref = train_single_device(_cfg(tiny_llama, tmp_path / "ref"))
-    finally:
-        torch.set_num_threads(old)
+    ref = single_loop_as_the_pipeline_runs(_cfg(tiny_llama, tmp_path / "ref"))
     first, last = ref.history[0], ref.history[-1]
     assert pipe.steps == ref.steps == 40
     assert last["loss"] < 0.5 * first["loss"], (first["loss"], last["loss"])

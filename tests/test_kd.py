@@ -10,18 +10,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_weights
+from conftest import assert_same_weights, single_loop_as_the_pipeline_runs
 from test_objective_fast import packed_row
 
 from dflash_train.config import ConfigError, TrainConfig, load_config
 from dflash_train.models.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.models.target import load_target
 from dflash_train.pipeline.coordinator import train_pipeline
-from dflash_train.pipeline.devices import cpu_threads_per_worker
 from dflash_train.data.packing import sample_anchors
 from dflash_train.training.objective import blockwise_ce, dflash_loss, draft_hidden
 from dflash_train.training.step import DrafterStep
-from dflash_train.training.trainer import train_single_device
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -247,12 +245,7 @@ def test_kd_run_learns_and_the_pipeline_equals_the_single_loop(tiny_llama, tmp_p
     still teaches the synthetic stream. The pipeline (target worker -> queue -> drafter worker, features of width
     (k+1)*H) reproduces the single-thread loop bit for bit."""
     pipe = train_pipeline(_kd_cfg(tiny_llama, tmp_path / "pipe"))
-    old = torch.get_num_threads()  # the pipeline splits the cores between its CPU workers: match them
-    torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
-    try:
-        ref = train_single_device(_kd_cfg(tiny_llama, tmp_path / "ref"))
-    finally:
-        torch.set_num_threads(old)
+    ref = single_loop_as_the_pipeline_runs(_kd_cfg(tiny_llama, tmp_path / "ref"))
     first, last = ref.history[0], ref.history[-1]
     assert pipe.steps == ref.steps == 40
     assert last["loss"] < first["loss"] - 0.4, (first["loss"], last["loss"])

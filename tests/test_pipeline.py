@@ -14,15 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RUN_HANG_GUARD_S, STOP_HANG_GUARD_S, assert_same_weights
+from conftest import RUN_HANG_GUARD_S, STOP_HANG_GUARD_S, assert_same_weights, single_loop_as_the_pipeline_runs
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.pipeline.coordinator import train_pipeline
-from dflash_train.pipeline.devices import cpu_threads_per_worker
 from dflash_train.pipeline.drafter_worker import RecompileGuard
 from dflash_train.pipeline.faults import ENV_VAR, parse_faults
 from dflash_train.pipeline.worker import THREAD_PREFIX
-from dflash_train.training.trainer import train_single_device
 
 METRICS = ("loss", "acc", "cond_acc", "tau_est", "lr")
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -64,13 +62,7 @@ def test_two_replicas_stay_identical_every_step(tiny_llama, tmp_path, thawed_hea
 
 def test_one_replica_equals_the_single_device_trainer_exactly(tiny_llama, tmp_path):
     pipe = train_pipeline(cfg_for(tiny_llama, tmp_path / "pipe"))
-    # The pipeline splits the cores between its CPU workers; run the reference with the same intra-op threads.
-    old = torch.get_num_threads()
-    torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
-    try:
-        ref = train_single_device(cfg_for(tiny_llama, tmp_path / "ref"))
-    finally:
-        torch.set_num_threads(old)
+    ref = single_loop_as_the_pipeline_runs(cfg_for(tiny_llama, tmp_path / "ref"))
     assert len(pipe.history) == len(ref.history) == 12
     for p, r in zip(pipe.history, ref.history):
         assert {k: p[k] for k in METRICS} == {k: r[k] for k in METRICS}, p["step"]  # bit-exact, not approximate
@@ -106,12 +98,7 @@ def test_steps_per_row_runs_the_target_once_a_row_and_equals_the_single_device_t
     k2 = {"train.steps_per_row": 2}
     pipe = train_pipeline(cfg_for(tiny_llama, tmp_path / "pipe", **k2))
     assert computed == list(range(0, 12, 2))         # batches 0, 2, 4, ...: the first of each row
-    old = torch.get_num_threads()
-    torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
-    try:
-        ref = train_single_device(cfg_for(tiny_llama, tmp_path / "ref", **k2))
-    finally:
-        torch.set_num_threads(old)
+    ref = single_loop_as_the_pipeline_runs(cfg_for(tiny_llama, tmp_path / "ref", **k2))
     assert [{k: h[k] for k in METRICS} for h in pipe.history] == [{k: h[k] for k in METRICS} for h in ref.history]
     assert_same_weights(pipe.drafter_dir, ref.drafter_dir)
     plain = train_pipeline(cfg_for(tiny_llama, tmp_path / "plain"))
@@ -151,12 +138,8 @@ def test_feature_cache_runs_the_target_once_a_row_and_trains_the_same_steps(tiny
     assert host.target_forwards == [rows]  # every row kept in host memory: the same rows, the same steps
     assert f"+ {rows} in host memory" in (tmp_path / "host" / "run.log").read_text()
     assert [{k: h[k] for k in METRICS} for h in host.history] == [{k: h[k] for k in METRICS} for h in none.history]
-    old = torch.get_num_threads()
-    torch.set_num_threads(cpu_threads_per_worker([torch.device("cpu")] * 2))
-    try:
-        ref = train_single_device(cfg_for(tiny_llama, tmp_path / "ref", **small, **{"train.feature_cache_gb": 1}))
-    finally:
-        torch.set_num_threads(old)
+    ref = single_loop_as_the_pipeline_runs(cfg_for(tiny_llama, tmp_path / "ref", **small,
+                                                   **{"train.feature_cache_gb": 1}))
     assert [{k: h[k] for k in METRICS} for h in kept.history] == [{k: h[k] for k in METRICS} for h in ref.history]
     with pytest.raises(ConfigError, match="train.feature_cache_gb must be 0"):
         cfg_for(tiny_llama, tmp_path / "bad", **{"train.feature_cache_gb": -1})
