@@ -105,6 +105,10 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
              f"drafter: {drafter.config.num_hidden_layers} layers, taps {drafter.config.target_layer_ids}, "
              f"mask id {drafter.config.mask_token_id}, "
              f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M params")
+    if t.anchor_sampling == "decoding":
+        log.info(f"anchors: {t.num_anchors} a row, drawn where the target was unsure of its own token, as decoding "
+                 "starts its blocks (train.anchor_sampling=decoding: weight 0.1 + (1 - p)); the target runs every "
+                 "layer and its LM head once a row for p")
     per_row = f", {t.steps_per_row} steps per row (train.steps_per_row)" if t.steps_per_row > 1 else ""
     log.info(f"data: {len(data.train)} train / {len(data.heldout)} held-out conversations, {rows_per_epoch} rows of "
              f"{cfg.train.token_budget} tokens per epoch; {total_steps} steps{per_row}")
