@@ -1,6 +1,6 @@
-"""train.anchor_sampling=decoding: the target's own token probabilities in its features, anchors drawn with weight
-0.1 + (1 - p) (valid ones only, sorted, padded, seeded), and tiny end-to-end runs (single loop and pipeline) that
-learn and agree with each other."""
+"""train.anchor_sampling=decoding: the target's own token probabilities in its features (eager and compiled), anchors
+drawn with weight 0.1 + (1 - p) (valid ones only, sorted, padded, seeded), the step training on the drawn anchors
+while validation keeps its own, and tiny end-to-end runs (single loop and pipeline) that learn and agree."""
 
 from __future__ import annotations
 
@@ -151,3 +151,31 @@ def test_the_step_draws_its_anchors_from_the_last_column_and_validation_keeps_it
     torch.testing.assert_close(seen["loss"], uniform.evaluate(batch, feats.float())["loss"])
     with pytest.raises(ValueError, match="anchor_weights=True"):
         step(batch, feats.float())
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_the_compiled_target_forward_gives_the_same_probabilities(tiny_llama, attention):
+    """FeatureForward (torch.compile, the aot_eager stand-in for inductor) with the LM head inside: one graph, no
+    graph break, the same features and probabilities as eager on two packed layouts, no recompile between them."""
+    from test_target_compile import LAYOUTS, T, graphs_compiled, packed
+    from torch._dynamo.utils import counters
+
+    from dflash_train.models.target import FeatureForward
+    from dflash_train.training.cudagraphs import configure_cudagraphs
+
+    configure_cudagraphs()
+    torch._dynamo.reset()
+    try:
+        target = load_target(tiny_llama, [1, 2], attention=attention, anchor_weights=True)
+        compiled = FeatureForward(target, T, compile="default", backend="aot_eager")
+        rows = [packed(LAYOUTS[i], seed=i) for i in (2, 3)]
+        eager = [target.features(*row) for row in rows]
+        before, breaks = graphs_compiled(), sum(counters["graph_break"].values())
+        outs = [compiled(*rows[0])]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            outs.append(compiled(*rows[1]))
+        assert graphs_compiled() - before == 1 and sum(counters["graph_break"].values()) == breaks
+        for out, ref in zip(outs, eager):
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    finally:
+        torch._dynamo.reset()
