@@ -137,9 +137,10 @@ class DrafterStep:
                        self.position_weights, self.dynamic_alpha)
 
     def __call__(self, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:
-        """batch: TrainBatch on self.device; feats [T, feats_width] (k*H; (k+1)*H when distilling). Returns detached
-        metric tensors (no host sync)."""
-        out = self._run(self._loss, self._anchored(batch, feats), self._loss_feats(feats))
+        """batch: TrainBatch on self.device; feats [T, feats_width] (k*H; (k+1)*H when distilling; one more column
+        with train.anchor_sampling=decoding). Returns detached metric tensors (no host sync)."""
+        loss_feats = self._loss_feats(feats)
+        out = self._run(self._loss, self._anchored(batch, feats), loss_feats)
         out["loss"].backward()
         # CUDA-graph outputs live in static buffers overwritten by the next replay: keep private copies.
         return {k: out[k].detach().clone() for k in METRIC_KEYS}
