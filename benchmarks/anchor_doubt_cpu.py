@@ -28,7 +28,7 @@ def main(replies_path: str, chats_path: str, target: str) -> None:
     with gzip.open(chats_path, "rt") as f:
         prompts = {c["id"]: next(m["content"] for m in c["messages"] if m["role"] == "user")
                    for c in map(json.loads, f)}
-    at, elsewhere, seen = [], [], set()
+    at, elsewhere, seen, pairs = [], [], set(), []
     for r in replies:
         if r["source"] != "regenerated" or r["key"] in seen or r["key"] not in prompts:
             continue
@@ -48,6 +48,7 @@ def main(replies_path: str, chats_path: str, target: str) -> None:
         for i in range(1, len(r["tokens"])):
             p = probs[len(prompt) + i - 1, r["tokens"][i]].item()
             (at if i in anchors else elsewhere).append(p)
+            pairs.append((p, i in anchors))
     n = len(at) + len(elsewhere)
     print(f"{len(seen)} replies, {n} tokens after each reply's first, {len(at)} of them where the walk started a block")
     print(f"the target's p of its token: median {statistics.median(at):.2f} at those anchors, "
@@ -57,6 +58,13 @@ def main(replies_path: str, chats_path: str, target: str) -> None:
         low_at = sum(p < th for p in at)
         print(f"  p < {th}: {low / n:.0%} of the tokens hold {low_at / len(at):.0%} of the anchors (a block starts at "
               f"{low_at / max(low, 1):.2f} of them, at {(len(at) - low_at) / max(n - low, 1):.2f} of the others)")
+    print("where a block starts, by p, against train.anchor_sampling=decoding's weight 0.1 + (1 - p):")
+    edges = [0, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9, 0.97, 1.0001]
+    for lo, hi in zip(edges, edges[1:]):
+        starts = [a for p, a in pairs if lo <= p < hi]
+        if starts:
+            print(f"  p in [{lo:.2f}, {min(hi, 1):.2f}): {len(starts):5d} tokens, a block starts at "
+                  f"{sum(starts) / len(starts):.2f} of them; the weight at the middle {1.1 - (lo + min(hi, 1)) / 2:.2f}")
 
 
 if __name__ == "__main__":
