@@ -6,8 +6,9 @@ At that shape a cold start spent 237 s compiling the training step with flex att
 Triton. This probe compiles the DFlash flex attention alone (training/objective.py's mask, built inside the graph as
 the step builds it), forward and backward, at that shape (512 blocks of 16 queries on a 4,096-token row, 32 query /
 8 K/V heads of 128), once per kernel-option set, each in its own process with empty inductor and Triton caches.
-Triton compiles in that process (compile_threads=1) so each kernel's compile is timed by name. Prints, per set, the
-first call's wall time (fwd + bwd, compiling included), the slowest kernel compiles, and the call's time after.
+Triton compiles in that process (compile_threads=1) so each kernel's compile is timed by name, printed as it ends.
+Prints, per set, the first call's wall time (fwd + bwd, compiling included), the slowest kernel compiles, and the
+call's time after; a set still compiling after COMPILE_SET_S seconds (default 240) is stopped.
 
   PYTHONPATH=src python3 benchmarks/gpu_flex_compile.py [SET ...]     # sets: default, tiles64, stages1 (default all)
 """
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 # Kernel options flex_attention accepts (forward BLOCK_M/N, backward BLOCK_M1/N1/M2/N2): smaller tiles and fewer
@@ -29,6 +31,7 @@ SETS = {
     "stages1": {"num_stages": 1},
 }
 A, B, T, H, HKV, D = 512, 16, 4096, 32, 8, 128
+KERNEL_LINE = "  Triton compiled "  # the child's line for each kernel it compiles, streamed by main()
 
 
 def child(name: str) -> None:
@@ -49,6 +52,7 @@ def child(name: str) -> None:
         out = real_compile(src, *args, **kwargs)
         fn = getattr(src, "fn", None)
         compiles.append((time.perf_counter() - t0, getattr(fn, "__name__", None) or getattr(src, "name", "?")))
+        print(f"{KERNEL_LINE}{name}: {compiles[-1][1]} in {compiles[-1][0]:.1f} s", flush=True)
         return out
 
     triton.compile = timed_compile
@@ -97,19 +101,33 @@ def child(name: str) -> None:
 
 
 def main(names: list[str]) -> None:
+    """Each set in a child of its own, its kernel compiles printed as they finish (a set stopped at SET_S seconds,
+    COMPILE_SET_S in the environment, still shows what compiled by then)."""
+    set_s = float(os.environ.get("COMPILE_SET_S", 240))
     for name in names or list(SETS):
         if name not in SETS:
             sys.exit(f"unknown set {name!r}; sets: {', '.join(SETS)}")
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton")
             t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, __file__, "--child", name], env=env, capture_output=True, text=True)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode or not lines:
-                print(f"{name}: failed (exit {proc.returncode}) after {time.perf_counter() - t0:.0f} s:\n"
-                      + "\n".join(proc.stderr.splitlines()[-8:]))
+            proc = subprocess.Popen([sys.executable, __file__, "--child", name], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+            timer = threading.Timer(set_s, proc.kill)
+            timer.start()
+            lines = []
+            for line in proc.stdout:
+                lines.append(line.rstrip("\n"))
+                if line.startswith(KERNEL_LINE):
+                    print(line, end="", flush=True)
+            proc.wait()
+            timer.cancel()
+            results = [ln for ln in lines if ln.startswith("{")]
+            if proc.returncode or not results:
+                why = f"stopped at {set_s:.0f} s" if proc.returncode == -9 else f"exit {proc.returncode}"
+                print(f"{name}: failed ({why}) after {time.perf_counter() - t0:.0f} s:\n"
+                      + "\n".join(ln for ln in lines if not ln.startswith(KERNEL_LINE))[-2000:], flush=True)
                 continue
-            r = json.loads(lines[-1])
+            r = json.loads(results[-1])
             print(f"{name} {r['options']}: first call (fwd + bwd, compiling included) {r['first_call_s']} s, "
                   f"{r['kernels']} Triton compiles in {r['compile_s']} s, the slowest {r['slowest']}; after: "
                   f"{r['call_ms']} ms a call", flush=True)
