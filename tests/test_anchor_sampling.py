@@ -9,7 +9,7 @@ import torch
 from conftest import assert_same_weights, single_loop_as_the_pipeline_runs
 
 from dflash_train.config import ConfigError, TrainConfig, load_config
-from dflash_train.data.packing import ANCHOR_FLOOR, decoding_anchors, valid_anchor_positions
+from dflash_train.data.packing import decoding_anchors, valid_anchor_positions
 from dflash_train.models.target import load_target
 from dflash_train.pipeline.coordinator import train_pipeline
 
@@ -49,7 +49,7 @@ def test_a_row_with_fewer_valid_anchors_is_padded_like_sample_anchors():
 
 
 def test_anchors_follow_the_targets_doubt():
-    """Positions whose token the target gave p = 0 weigh 1.1, the rest (p = 1) ANCHOR_FLOOR: over many draws the
+    """Positions whose token the target gave p = 0 weigh 1.1, the rest (p = 1) the floor, 0.1: over many draws the
     first are picked far more often; with equal probabilities every position alike."""
     T, A, draws = 128, 8, 300
     loss_mask, doc_ids = torch.ones(T, dtype=torch.bool), torch.zeros(T, dtype=torch.long)
@@ -65,7 +65,6 @@ def test_anchors_follow_the_targets_doubt():
     for seed in range(draws):
         flat[_draw(loss_mask, doc_ids, torch.full((T,), 0.7), A, seed)[0]] += 1
     assert flat[doubt].mean() / flat[~doubt][:-1].mean() < 1.5
-    assert ANCHOR_FLOOR == 0.1
 
 
 def test_target_features_end_with_its_own_token_probabilities(tiny_target):
