@@ -147,8 +147,8 @@ def bench_pipeline(ctx: Context):
     benchmarks' rows); its stages are timed alone on rows of that same data first: the target worker's forward as
     the pipeline configures it (target_stage_overrides: on CUDA compiled, flex, one CUDA graph; also the eager sdpa
     forward before it, seconds) and the drafter step. Each layout's pipeline gets the in-memory targets this run
-    built, one per target device, equal weights (`load_target` is swapped for the duration; the swap applies the
-    attention the pipeline asks for, and the target workers compile and capture these targets exactly as a loaded
+    built, one per target device, equal weights (`load_training_target` is swapped for the duration; the swap applies
+    the attention the pipeline asks for, and the target workers compile and capture these targets exactly as a loaded
     one, in TargetWorker.setup): at the Qwen3-8B shape a save + load would cost minutes and measure the disk, not the
     pipeline. On the GPU suites bench.py keeps inductor's cache in one directory for the whole process, so the
     pipeline's compiles of the graphs the stages-alone row compiled are cache hits (dynamo traces and CUDA graphs are
@@ -236,20 +236,21 @@ def bench_pipeline(ctx: Context):
             devices = sorted({torch.device(d) for d in targets + drafters}, key=str)
             cuda = [d for d in devices if d.type == "cuda"]
             built: list = []   # one target per target device; the first is the cached one on cuda:0 (or cpu)
-            free: list = []    # handed out once each by the swapped load_target, to the device asked for
-            original = coordinator.load_target
+            free: list = []    # handed out once each by the swapped load_training_target, to the device asked for
+            original = coordinator.load_training_target
 
-            def built_target(_path, layer_ids=None, device="cpu", attention="sdpa", final_hidden=False, **_kw):
-                if layer_ids is not None and list(layer_ids) != built[0].layer_ids:
+            def built_target(run_cfg, layer_ids, device):
+                if list(layer_ids) != built[0].layer_ids:
                     raise Skip(f"pipeline drafter taps {list(layer_ids)} != the built target's {built[0].layer_ids}")
-                if final_hidden:
-                    raise Skip("train.kd_weight > 0 needs the target's final hidden state; the built target is "
-                               "truncated after its deepest tap")
+                if run_cfg.train.kd_weight > 0 or run_cfg.train.anchor_sampling == "decoding":
+                    raise Skip("train.kd_weight > 0 and train.anchor_sampling=decoding need the target's last layers; "
+                               "the built target is truncated after its deepest tap")
+                attention = run_cfg.model.target_attention
                 want = torch.device(device)
                 for i, t in enumerate(free):
                     if t.device == want:
                         t = free.pop(i)
-                        t.set_attention(choose("attention", attention, [want]))   # what load_target would load
+                        t.set_attention(choose("attention", attention, [want]))   # what the run would load
                         return t
                 raise RuntimeError(f"the pipeline asked for a target on {want}; this layout built them on "
                                    f"{[str(t.device) for t in built]}")
@@ -260,12 +261,12 @@ def bench_pipeline(ctx: Context):
                 free += built
                 for d in cuda:   # after the targets: their weights are part of each device's peak, as in training
                     torch.cuda.reset_peak_memory_stats(d)
-                coordinator.load_target = built_target
+                coordinator.load_training_target = built_target
                 t0 = time.perf_counter()
                 res = coordinator.train_pipeline(cfg)
                 wall = time.perf_counter() - t0
             finally:
-                coordinator.load_target = original
+                coordinator.load_training_target = original
                 for t in built:
                     t.set_attention("sdpa")   # the cached target's default, which the other benchmarks expect
                 built.clear()   # the replicas on other GPUs go with the pipeline; harness.free_memory empties caches

@@ -34,7 +34,6 @@ from ..generation.run_data import regenerate_for_run
 from ..errors import UserError
 from ..models.checkpoint import save_drafter
 from ..models.build import init_output_norm
-from ..models.target import load_target
 from ..training.budget import TimeBudget
 from ..training.checkpointing import CheckpointManager, resume_point
 from ..training.cudagraphs import configure_cudagraphs
@@ -42,7 +41,7 @@ from ..training.heap import frozen_heap
 from ..training.metrics import MetricsLogger
 from ..training.optim import follows_clock
 from ..training.plots import write_training_plots
-from ..training.run import build_run, hold_run_dir, prepare_out_dir
+from ..training.run import build_run, hold_run_dir, load_training_target, prepare_out_dir
 from ..training.startup import log_compile_times
 from ..training.validation import Validator, build_validation_rows
 from ..training.trainer import TrainResult
@@ -126,10 +125,7 @@ class _Pipeline:
         if cfg.model.target_graphs and any(d.type != "cuda" for d in target_devices):
             raise ConfigError("model.target_graphs=true needs CUDA target devices (CUDA graphs); set it to false "
                               "on CPU.")
-        targets = [load_target(cfg.model.target, init.config.target_layer_ids, device=d,
-                               attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0,
-                               anchor_weights=cfg.train.anchor_sampling == "decoding")
-                   for d in target_devices]
+        targets = [load_training_target(cfg, init.config.target_layer_ids, d) for d in target_devices]
         if state is None and not cfg.model.drafter_init and cfg.model.drafter_layer_init == "random":
             init_output_norm(init, targets[0].lm_head.weight)  # before replicas copy it: the same on every rank
         # Rank 0's clock alone decides; its decision reaches the other ranks in the next step's all-reduce.

@@ -40,8 +40,9 @@ import yaml
 from ..config import Config, load_config
 from ..models.checkpoint import drafter_class, drafter_config_from_json, drafter_config_json
 from ..models.drafter import DrafterConfig
-from ..models.target import FeatureForward, load_target
+from ..models.target import FeatureForward
 from ..training.cudagraphs import configure_cudagraphs
+from ..training.run import load_training_target
 from ..training.startup import compile_cache_dir, started_cold, use_compile_cache
 from ..training.step import DrafterStep
 from ..training.warmup import CompileWarmup
@@ -131,9 +132,7 @@ def main(argv: list[str]) -> int:
     use_compile_cache(cfg)
     dcfg = drafter_config_from_json(json.loads(Path(drafter_json).read_text()))
     t = cfg.train
-    target = load_target(cfg.model.target, dcfg.target_layer_ids, device=torch.device(target_device),
-                         attention=cfg.model.target_attention, final_hidden=t.kd_weight > 0,
-                         anchor_weights=t.anchor_sampling == "decoding")
+    target = load_training_target(cfg, dcfg.target_layer_ids, torch.device(target_device))
     batch = dummy_batch(t.token_budget, t.num_anchors)
     for part in parts.split(","):
         t0 = time.perf_counter()

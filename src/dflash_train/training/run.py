@@ -18,7 +18,7 @@ from ..data.packing import BatchSchedule
 from ..models.build import build_drafter, init_layers_from_target
 from ..models.checkpoint import load_drafter
 from ..models.drafter import DFlashDrafter
-from ..models.target import TargetInfo, load_tokenizer, target_config_info
+from ..models.target import TargetInfo, TargetModel, load_target, load_tokenizer, target_config_info
 from .optim import follows_clock
 from .rundir import RUN_CONFIG_NAME, hold_run_dir, prepare_out_dir, release_run_dir  # noqa: F401 - re-exported
 from .validation import EPOCHS_WARN, data_passes_line
@@ -29,6 +29,15 @@ log = logging.getLogger("dflash_train")
 # (cfg, run directory, tokenizer) -> (the DataConfig that reads the regenerated data, the regeneration's stats)
 RegenerateFn = Callable[[Config, Path, object], tuple]
 
+
+
+def load_training_target(cfg: Config, layer_ids: list[int], device: torch.device) -> TargetModel:
+    """The frozen target as training uses it: the run's attention, and what its features carry beyond the taps (the
+    final hidden state for distillation, train.kd_weight > 0; its own token probabilities for
+    train.anchor_sampling=decoding). The single loop, the pipeline's target workers and the precompile child load it
+    here, so their features always have the width the drafter step expects."""
+    return load_target(cfg.model.target, layer_ids, device=device, attention=cfg.model.target_attention,
+                       final_hidden=cfg.train.kd_weight > 0, anchor_weights=cfg.train.anchor_sampling == "decoding")
 
 @dataclass
 class RunSetup:

@@ -84,6 +84,7 @@ class DrafterStep:
         # target's own token probabilities (load_target(..., anchor_weights=True)), which picks the anchors and is
         # cut off before the loss.
         self.anchor_sampling, self.seed = cfg.anchor_sampling, cfg.seed
+        self._anchor_rng = None  # torch.Generator on the feats' device, made once, reseeded every step (_anchored)
         self.loss_feats_width = drafter.fc.in_features + (self.head_w.shape[1] if self.kd_weight > 0 else 0)
         self.feats_width = self.loss_feats_width + (self.anchor_sampling == "decoding")
         self.compile_mode = cfg.compile
@@ -115,8 +116,8 @@ class DrafterStep:
         if feats.shape[1] != self.feats_width:  # a plumbing bug: the target was loaded for another objective
             raise ValueError(f"feats of width {feats.shape[1]} for a step expecting {self.feats_width}: with "
                              f"train.kd_weight={self.kd_weight} and train.anchor_sampling={self.anchor_sampling} load "
-                             f"the target with final_hidden={self.kd_weight > 0} and "
-                             f"anchor_weights={self.anchor_sampling == 'decoding'}")
+                             f"the target with training.run.load_training_target (final_hidden="
+                             f"{self.kd_weight > 0}, anchor_weights={self.anchor_sampling == 'decoding'})")
         return feats[:, :self.loss_feats_width]
 
     def _anchored(self, batch, feats: torch.Tensor):
@@ -125,9 +126,11 @@ class DrafterStep:
         run draws the same ones; uniform: the loader's anchors as they are."""
         if self.anchor_sampling != "decoding":
             return batch
-        g = torch.Generator(device=feats.device)
-        g.manual_seed((self.seed * 1_000_003 + batch.index + 1) % 2**63)
-        anchors, valid = decoding_anchors(batch.loss_mask, batch.doc_ids, feats[:, -1], batch.anchors.shape[0], g)
+        if self._anchor_rng is None:
+            self._anchor_rng = torch.Generator(device=feats.device)
+        self._anchor_rng.manual_seed((self.seed * 1_000_003 + batch.index + 1) % 2**63)
+        anchors, valid = decoding_anchors(batch.loss_mask, batch.doc_ids, feats[:, -1], batch.anchors.shape[0],
+                                          self._anchor_rng)
         return dataclasses.replace(batch, anchors=anchors, anchor_valid=valid)
 
     def _run(self, loss_fn, batch, feats: torch.Tensor) -> dict[str, torch.Tensor]:

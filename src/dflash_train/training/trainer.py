@@ -14,7 +14,7 @@ from ..config import Config
 from ..models.checkpoint import save_drafter
 from ..devices import parse_device, peak_memory_line, resolve_config
 from ..models.build import init_output_norm
-from ..models.target import RowFeatures, load_target
+from ..models.target import RowFeatures
 from .budget import TimeBudget
 from .checkpointing import CheckpointManager, resume_point
 from .cudagraphs import configure_cudagraphs
@@ -22,7 +22,7 @@ from .heap import frozen_heap
 from .metrics import MetricsLogger, StepWindow
 from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
-from .run import RunSetup, build_run, hold_run_dir
+from .run import RunSetup, build_run, hold_run_dir, load_training_target
 from .startup import log_compile_times, log_first_step
 from .step import DrafterStep
 from .validation import Validator, build_validation_rows
@@ -55,9 +55,7 @@ def train_single_device(cfg: Config, setup: RunSetup | None = None, regenerate=N
 
 def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     device = parse_device(cfg.pipeline.drafter_devices[0], "pipeline.drafter_devices")
-    target = load_target(cfg.model.target, setup.drafter.config.target_layer_ids, device=device,
-                         attention=cfg.model.target_attention, final_hidden=cfg.train.kd_weight > 0,
-                         anchor_weights=cfg.train.anchor_sampling == "decoding")
+    target = load_training_target(cfg, setup.drafter.config.target_layer_ids, device)
     ckpt = CheckpointManager(setup.out_dir, cfg.train.keep_checkpoints)
 
     drafter, state = resume_point(cfg.run.resume, ckpt, setup.drafter)
