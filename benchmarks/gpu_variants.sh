@@ -22,7 +22,8 @@
 # the drafter's work a step, so more, smaller steps in the same minutes), reuse2 (train.steps_per_row=2: two drafter
 # steps on each target forward, each with its own anchors), reuse2a512 (the same with 512 anchors), cache (rows fixed
 # across epochs and their target features kept on the GPU: train.feature_cache_gb=100, capped at the free memory
-# less 8 GiB; side by side, the first run to fill the GPU leaves the others less). The loss
+# less 8 GiB; side by side, the first run to fill the GPU leaves the others less), anchors (blocks started where
+# decoding starts them: train.anchor_sampling=decoding). The loss
 # weightings side by side:
 #   PARALLEL=1 bash benchmarks/gpu_variants.sh ce decay gamma4
 # v1 against v2 at the same data and budget:
@@ -84,6 +85,7 @@ variant_args() {
     reuse2) echo "train.steps_per_row=2" ;;
     reuse2a512) echo "train.steps_per_row=2 train.num_anchors=512" ;;
     cache) echo "train.feature_cache_gb=100" ;;
+    anchors) echo "train.anchor_sampling=decoding" ;;
     *) echo "unknown variant $1" >&2; return 2 ;;
   esac
 }
