@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Recipe variants at the same data and budget on one H200, for the drafter-quality table in docs/BENCHMARKS.md.
-#   regen       the demo's data step alone (first ShareGPT turns + self-written prompts, data.regenerate_minutes)
-#               into $S/runs/demo-data/, converting the GGUF once (needs benchmarks/gpu_demo.sh check + the GGUF
-#               joined at $S/SmolLM2-135M-Instruct.Q4_1.gguf)
+#   regen       the demo's data step alone (first ShareGPT turns + self-written prompts, data.regenerate_minutes;
+#               REGEN_ARGS="k=v ..." overrides it, e.g. fewer self-written prompts for a short A/B) into
+#               $S/runs/demo-data/, converting the GGUF once (needs benchmarks/gpu_demo.sh stage + the GGUF joined at
+#               $S/SmolLM2-135M-Instruct.Q4_1.gguf)
 #   <variant>   train from scratch on that data with the demo's own training settings (demo.GPU_OVERRIDES without
 #               its data step and its clock) for TRAIN_MIN minutes (schedule sized to it), plus the variant's
 #               overrides, then speculative decoding on the bundled yardstick prompts (another source: 80 x 256 tokens)
@@ -41,13 +42,13 @@ mkdir -p "$OUT"
 regen() {
   echo "=== regen ($(date +%T))"
   python3 - <<'EOF'
-import logging, torch
+import logging, os, torch
 from dflash_train.demo import build_demo_config, regenerate_demo_data
 from dflash_train.models.target import load_tokenizer
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 cfg = build_demo_config(torch.device("cuda"), None, "/tmp/dflash/runs/demo",
                         ["model.target=/tmp/dflash/SmolLM2-135M-Instruct.Q4_1.gguf",
-                         "data.source=/tmp/dflash/data/train_chats.jsonl"])
+                         "data.source=/tmp/dflash/data/train_chats.jsonl", *os.environ.get("REGEN_ARGS", "").split()])
 _, stats = regenerate_demo_data(cfg, load_tokenizer(cfg.model.target))
 print("regen stats:", stats)
 EOF
