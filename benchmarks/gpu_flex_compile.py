@@ -11,6 +11,13 @@ Prints, per set, the first call's wall time (fwd + bwd, compiling included), the
 call's time after; a set still compiling after COMPILE_SET_S seconds (default 240) is stopped.
 
   PYTHONPATH=src python3 benchmarks/gpu_flex_compile.py [SET ...]     # sets: default, tiles64, stages1 (default all)
+
+Measured 2026-12-06 on an H100 (docs/gpu-runs/2026-12-06-h100-checks/): flex attention alone compiles cold in
+22.7 s (17 kernels, 17.3 s of Triton; tiles64 18.1 s, but 8.05 ms a call against 4.86), so flex's own kernels are
+not the ~200 s. The sets `step` and `step_sdpa` therefore compile the whole training step at that shape
+(benchmarks/cases.py's DrafterRig of the `gpu` suite: 5 layers, 4,096 tokens, 512 anchors, reduce-overhead, fwd +
+bwd + the optimizer step), with flex and with the dense mask, each kernel timed the same way: the difference
+between the two names the kernels that take the time.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ SETS = {
     "default": {},
     "tiles64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
     "stages1": {"num_stages": 1},
+    "step": "flex",        # the whole training step, not flex alone: the value is the step's train.attention
+    "step_sdpa": "sdpa",
 }
 A, B, T, H, HKV, D = 512, 16, 4096, 32, 8, 128
 KERNEL_LINE = "  Triton compiled "  # the child's line for each kernel it compiles, streamed by main()
@@ -56,6 +65,8 @@ def child(name: str) -> None:
         return out
 
     triton.compile = timed_compile
+    if name.startswith("step"):
+        return whole_step(SETS[name], compiles)
     options = SETS[name]
 
     def attention(q, k, v, anchors, doc_ids, kv_num, kv_idx, full_num, full_idx):
@@ -100,6 +111,40 @@ def child(name: str) -> None:
                           slowest=[(round(s, 1), n) for s, n in compiles[:5]])))
 
 
+def whole_step(attention: str, compiles: list[tuple[float, str]]) -> None:
+    """The training step as the startup benchmark compiles it (DrafterRig, suite `gpu`), its first call timed."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import harness
+    import torch
+    from cases import DrafterRig, train_batches
+
+    suite = harness.SUITES["gpu"]
+    ctx = harness.Context(suite)
+    batches, _ = train_batches(ctx, suite=suite)
+    with torch.enable_grad():
+        rig = DrafterRig(ctx, "reduce-overhead", attention, tag=f"compile-probe-{attention}", suite=suite)
+        feats = torch.randn(suite.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size, device=ctx.device,
+                            dtype=suite.dtype)
+        t0 = time.perf_counter()
+        for i in range(2):  # reduce-overhead records its CUDA graph on the second call
+            rig.fwd_bwd(batches[i], feats)
+            rig.optim()
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for i in range(5):
+            rig.fwd_bwd(batches[i % len(batches)], feats)
+            rig.optim()
+        end.record()
+        torch.cuda.synchronize()
+    compiles.sort(reverse=True)
+    print(json.dumps(dict(set=f"step_{attention}", options={"train.attention": attention},
+                          first_call_s=round(first_s, 1), call_ms=round(start.elapsed_time(end) / 5, 2),
+                          kernels=len(compiles), compile_s=round(sum(s for s, _ in compiles), 1),
+                          slowest=[(round(s, 1), n) for s, n in compiles[:8]])))
+
+
 def main(names: list[str]) -> None:
     """Each set in a child of its own, its kernel compiles printed as they finish (a set stopped at SET_S seconds,
     COMPILE_SET_S in the environment, still shows what compiled by then)."""
@@ -115,16 +160,22 @@ def main(names: list[str]) -> None:
             timer = threading.Timer(set_s, proc.kill)
             timer.start()
             lines = []
+            seen: list[tuple[float, str]] = []  # (seconds, kernel) of each compile streamed so far
             for line in proc.stdout:
                 lines.append(line.rstrip("\n"))
                 if line.startswith(KERNEL_LINE):
-                    print(line, end="", flush=True)
+                    kernel, _, secs = line[len(KERNEL_LINE):].rstrip(" s\n").rpartition(" in ")
+                    seen.append((float(secs), kernel.split(": ", 1)[-1]))
+                    if seen[-1][0] >= 1.0:  # a whole step compiles hundreds of kernels: the slow ones only
+                        print(line, end="", flush=True)
             proc.wait()
             timer.cancel()
             results = [ln for ln in lines if ln.startswith("{")]
             if proc.returncode or not results:
                 why = f"stopped at {set_s:.0f} s" if proc.returncode == -9 else f"exit {proc.returncode}"
-                print(f"{name}: failed ({why}) after {time.perf_counter() - t0:.0f} s:\n"
+                seen.sort(reverse=True)
+                print(f"{name}: failed ({why}) after {time.perf_counter() - t0:.0f} s, {len(seen)} Triton compiles "
+                      f"in {sum(s for s, _ in seen):.1f} s by then, the slowest {seen[:8]}:\n"
                       + "\n".join(ln for ln in lines if not ln.startswith(KERNEL_LINE))[-2000:], flush=True)
                 continue
             r = json.loads(results[-1])
