@@ -153,7 +153,10 @@ check_flex() {
 
 check_compile() {
   banner "the drafter's flex attention compiled cold at the Qwen3-8B shape, per kernel-option set"
-  timeout ${COMPILE_S:-480} python3 benchmarks/gpu_flex_compile.py ${COMPILE_SETS:-} 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -60
+  # Streamed, not tailed: on 2026-12-06 a call cut at its limit (the session's device time) returned nothing of a
+  # `| tail -60` that had not ended. The probe prints only the kernels that took >= 1 s, so the output stays short.
+  timeout ${COMPILE_S:-480} python3 benchmarks/gpu_flex_compile.py ${COMPILE_SETS:-} 2>&1 |
+    grep --line-buffered -v -E "it/s\]|s/it\]"
 }
 
 profile_drafter() {
