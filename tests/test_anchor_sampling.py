@@ -115,6 +115,22 @@ def test_decoding_anchors_learn_and_the_pipeline_equals_the_single_loop(tiny_lla
     assert_same_weights(pipe.drafter_dir, ref.drafter_dir)
 
 
+def test_decoding_anchors_over_kept_rows_train_as_over_recomputed_ones(tiny_llama, tmp_path):
+    """The GPU demo keeps rows' features across epochs (train.feature_cache_gb) and, with this setting, draws its
+    anchors from their last column: a kept row must carry that column, so the run with every row kept trains step for
+    step as the one that recomputes every row (a budget below one row), and runs the target once a row."""
+    small = {"data.synthetic_samples": 12, "train.max_steps": 12, "train.log_every": 1}
+    kept = train_pipeline(_cfg(tiny_llama, tmp_path / "kept", **small, **{"train.feature_cache_gb": 1}))
+    rows = kept.data["rows_per_epoch"]
+    assert 12 >= 2 * rows, "the test needs two epochs or more"
+    assert kept.target_forwards == [rows]
+    none = train_pipeline(_cfg(tiny_llama, tmp_path / "none", **small, **{"train.feature_cache_gb": 1e-12}))
+    assert none.target_forwards == [12]
+    metrics = ("loss", "acc", "tau_est")
+    assert [{k: h[k] for k in metrics} for h in kept.history] == [{k: h[k] for k in metrics} for h in none.history]
+    assert_same_weights(kept.drafter_dir, none.drafter_dir)
+
+
 def test_the_step_draws_its_anchors_from_the_last_column_and_validation_keeps_its_own():
     """DrafterStep with anchor_sampling=decoding: the loss and gradients of the anchors decoding_anchors draws from
     feats' last column (seeded by train.seed and the batch index), not the loader's; the column never reaches the
