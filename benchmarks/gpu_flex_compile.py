@@ -46,7 +46,10 @@ KERNEL_LINE = "  Triton compiled "  # the child's line for each kernel it compil
 def child(name: str) -> None:
     import torch
     import torch._inductor.config as inductor_config
-    import triton
+    try:
+        import triton
+    except ImportError:  # a CPU dry run of the step sets (COMPILE_SUITE=cpu-smoke): nothing for Triton to compile
+        triton = None
 
     from dflash_train.training.cudagraphs import configure_cudagraphs
     from dflash_train.training.objective import FlexMask, flex_block_mask
@@ -54,7 +57,7 @@ def child(name: str) -> None:
     inductor_config.compile_threads = 1  # compile in this process, so each kernel's compile is timed below
     configure_cudagraphs()
     compiles: list[tuple[float, str]] = []
-    real_compile = triton.compile
+    real_compile = triton.compile if triton else None
 
     def timed_compile(src, *args, **kwargs):
         t0 = time.perf_counter()
@@ -64,7 +67,8 @@ def child(name: str) -> None:
         print(f"{KERNEL_LINE}{name}: {compiles[-1][1]} in {compiles[-1][0]:.1f} s", flush=True)
         return out
 
-    triton.compile = timed_compile
+    if triton:
+        triton.compile = timed_compile
     if name.startswith("step"):
         return whole_step(SETS[name], compiles)
     options = SETS[name]
@@ -112,13 +116,15 @@ def child(name: str) -> None:
 
 
 def whole_step(attention: str, compiles: list[tuple[float, str]]) -> None:
-    """The training step as the startup benchmark compiles it (DrafterRig, suite `gpu`), its first call timed."""
+    """The training step as the startup benchmark compiles it (DrafterRig, suite `gpu`), its first call timed.
+    COMPILE_SUITE=cpu-smoke runs it at the tiny CPU suite's shapes: a dry run of this code on a machine without a GPU
+    (`step_sdpa` only: torch has no flex backward on the CPU)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import harness
     import torch
     from cases import DrafterRig, train_batches
 
-    suite = harness.SUITES["gpu"]
+    suite = harness.SUITES[os.environ.get("COMPILE_SUITE", "gpu")]
     ctx = harness.Context(suite)
     batches, _ = train_batches(ctx, suite=suite)
     with torch.enable_grad():
@@ -129,18 +135,18 @@ def whole_step(attention: str, compiles: list[tuple[float, str]]) -> None:
         for i in range(2):  # reduce-overhead records its CUDA graph on the second call
             rig.fwd_bwd(batches[i], feats)
             rig.optim()
-        torch.cuda.synchronize()
+        sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+        sync()
         first_s = time.perf_counter() - t0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        t0 = time.perf_counter()
         for i in range(5):
             rig.fwd_bwd(batches[i % len(batches)], feats)
             rig.optim()
-        end.record()
-        torch.cuda.synchronize()
+        sync()
+        call_ms = (time.perf_counter() - t0) / 5 * 1e3
     compiles.sort(reverse=True)
     print(json.dumps(dict(set=f"step_{attention}", options={"train.attention": attention},
-                          first_call_s=round(first_s, 1), call_ms=round(start.elapsed_time(end) / 5, 2),
+                          first_call_s=round(first_s, 1), call_ms=round(call_ms, 2),
                           kernels=len(compiles), compile_s=round(sum(s for s, _ in compiles), 1),
                           slowest=[(round(s, 1), n) for s, n in compiles[:8]])))
 
