@@ -13,9 +13,9 @@
 #   check_flex    the engine's flex decode attention, folded and grouped, timed; the engine in a worker thread
 #   check_anchors the tiny pipeline with train.anchor_sampling=decoding (anchors drawn on the device)
 #   check_compile the drafter's flex attention (fwd + bwd, Qwen3-8B shape) compiled cold, per kernel-option set
-#                 (or the whole training step: sets step, step_sdpa)
-#                 (COMPILE_SETS, default all of benchmarks/gpu_flex_compile.py's; COMPILE_SET_S seconds at most a
-#                 set, COMPILE_S for all), each kernel's compile timed
+#                 (COMPILE_SETS, default the kernel-option sets of benchmarks/gpu_flex_compile.py; its sets step and
+#                 step_sdpa compile the whole training step instead; COMPILE_SET_S seconds at most a set, COMPILE_S
+#                 for all), each kernel's compile timed
 #   profile_drafter  the demo's drafter step alone (benchmarks/gpu_profile.py drafter, v1): ms a step, top kernels
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)

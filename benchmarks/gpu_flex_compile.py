@@ -10,7 +10,8 @@ Triton compiles in that process (compile_threads=1) so each kernel's compile is 
 Prints, per set, the first call's wall time (fwd + bwd, compiling included), the slowest kernel compiles, and the
 call's time after; a set still compiling after COMPILE_SET_S seconds (default 240) is stopped.
 
-  PYTHONPATH=src python3 benchmarks/gpu_flex_compile.py [SET ...]     # sets: default, tiles64, stages1 (default all)
+  PYTHONPATH=src python3 benchmarks/gpu_flex_compile.py [SET ...]
+  # sets: default, tiles64, stages1 (kernel options; run when no SET is named), step, step_sdpa (the whole step)
 
 Measured 2026-12-06 on an H100 (docs/gpu-runs/2026-12-06-h100-checks/): flex attention alone compiles cold in
 22.7 s (17 kernels, 17.3 s of Triton; tiles64 18.1 s, but 8.05 ms a call against 4.86), so flex's own kernels are
@@ -36,9 +37,8 @@ SETS = {
     "default": {},
     "tiles64": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
     "stages1": {"num_stages": 1},
-    "step": "flex",        # the whole training step, not flex alone: the value is the step's train.attention
-    "step_sdpa": "sdpa",
 }
+STEP_SETS = {"step": "flex", "step_sdpa": "sdpa"}  # the whole training step instead, by its train.attention
 A, B, T, H, HKV, D = 512, 16, 4096, 32, 8, 128
 KERNEL_LINE = "  Triton compiled "  # the child's line for each kernel it compiles, streamed by main()
 
@@ -69,8 +69,8 @@ def child(name: str) -> None:
 
     if triton:
         triton.compile = timed_compile
-    if name.startswith("step"):
-        return whole_step(SETS[name], compiles)
+    if name in STEP_SETS:
+        return whole_step(STEP_SETS[name], compiles)
     options = SETS[name]
 
     def attention(q, k, v, anchors, doc_ids, kv_num, kv_idx, full_num, full_idx):
@@ -131,19 +131,13 @@ def whole_step(attention: str, compiles: list[tuple[float, str]]) -> None:
         rig = DrafterRig(ctx, "reduce-overhead", attention, tag=f"compile-probe-{attention}", suite=suite)
         feats = torch.randn(suite.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size, device=ctx.device,
                             dtype=suite.dtype)
-        t0 = time.perf_counter()
-        for i in range(2):  # reduce-overhead records its CUDA graph on the second call
-            rig.fwd_bwd(batches[i], feats)
-            rig.optim()
-        sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
-        sync()
-        first_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for i in range(5):
+
+        def step(i: int) -> None:
             rig.fwd_bwd(batches[i % len(batches)], feats)
             rig.optim()
-        sync()
-        call_ms = (time.perf_counter() - t0) / 5 * 1e3
+
+        # the first call compiles; the warm-up call records reduce-overhead's CUDA graph
+        first_s, call_ms = harness.time_calls(step, ctx.device, warmup=1, iters=5)
     compiles.sort(reverse=True)
     print(json.dumps(dict(set=f"step_{attention}", options={"train.attention": attention},
                           first_call_s=round(first_s, 1), call_ms=round(call_ms, 2),
@@ -156,8 +150,8 @@ def main(names: list[str]) -> None:
     COMPILE_SET_S in the environment, still shows what compiled by then)."""
     set_s = float(os.environ.get("COMPILE_SET_S", 240))
     for name in names or list(SETS):
-        if name not in SETS:
-            sys.exit(f"unknown set {name!r}; sets: {', '.join(SETS)}")
+        if name not in SETS and name not in STEP_SETS:
+            sys.exit(f"unknown set {name!r}; sets: {', '.join([*SETS, *STEP_SETS])}")
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{cache}/inductor", TRITON_CACHE_DIR=f"{cache}/triton")
             t0 = time.perf_counter()
