@@ -6,6 +6,7 @@
 #   check    stage, then the GPU checks that need no real weights: a tiny pipeline with validation and the measurement
 #            after training (reduce-overhead steps in worker threads, flex target as a CUDA graph), and the
 #            `generate` benchmark (continuous batching vs static batches, SmolLM2 shape, random weights)
+#   check_tiny  the tiny pipeline alone (no staging needed: a random tiny Llama target)
 #   check2   the tiny pipeline with a DFlash 2 drafter (model.architecture=dflash2)
 #   check_cache   the tiny pipeline with train.feature_cache_gb, with every row in host memory
 #                 (train.feature_cache_host_gb), and against the same fixed rows with nothing kept
@@ -95,10 +96,14 @@ tiny_run() {
 
 check() {
   stage
-  banner "tiny pipeline on the GPU"
-  tiny_run /tmp/tinyrun
+  check_tiny
   banner "generate benchmark: continuous batching vs static batches (SmolLM2 shape, random weights)"
   timeout 240 python3 benchmarks/bench.py --only generate --budget-s 200 2>&1 | tail -22
+}
+
+check_tiny() {
+  banner "tiny pipeline on the GPU"
+  tiny_run /tmp/tinyrun
 }
 
 check2() {

@@ -18,7 +18,10 @@ Measured 2026-12-06 on an H100 (docs/gpu-runs/2026-12-06-h100-checks/): flex att
 not the ~200 s. The sets `step` and `step_sdpa` therefore compile the whole training step at that shape
 (benchmarks/cases.py's DrafterRig of the `gpu` suite: 5 layers, 4,096 tokens, 512 anchors, reduce-overhead, fwd +
 bwd + the optimizer step), with flex and with the dense mask, each kernel timed the same way: the difference
-between the two names the kernels that take the time.
+between the two names the kernels that take the time. They did (the same day, H100): the flex step was still
+compiling at 200 s, its two slowest kernels (20.6 s, 27.0 s) the mask's tile orderings, argsorts fused into one
+persistent reduction; with the orderings from prefix sums and the mask built once a step (models/flex.py), its first
+call takes 86.3 s, then 158.27 ms a step (the dense-mask step: 77.9 s, 225.53 ms).
 """
 
 from __future__ import annotations
@@ -73,10 +76,10 @@ def child(name: str) -> None:
         return whole_step(STEP_SETS[name], compiles)
     options = SETS[name]
 
-    def attention(q, k, v, anchors, doc_ids, kv_num, kv_idx, full_num, full_idx):
+    def attention(q, k, v, anchors, doc_ids, partial, full):
         from torch.nn.attention.flex_attention import flex_attention
 
-        mask = FlexMask(anchors, doc_ids, kv_num, kv_idx, full_num, full_idx, B)
+        mask = FlexMask(anchors, doc_ids, partial, full, B)
         out = flex_attention(q, k, v, block_mask=mask.block_mask(), enable_gqa=True, kernel_options=options or None)
         return out.float().square().mean()
 
@@ -89,7 +92,7 @@ def child(name: str) -> None:
     doc_ids = torch.zeros(T, dtype=torch.long, device=dev)                  # one document a row, as the bench's
     anchors = torch.randperm(T - B, device=dev)[:A].sort().values + 1
     m = flex_block_mask(anchors, doc_ids, B)
-    inputs = (q, k, v, anchors, doc_ids, m.kv_num, m.kv_idx, m.full_num, m.full_idx)
+    inputs = (q, k, v, anchors, doc_ids, m.partial, m.full)
     fn = torch.compile(attention, dynamic=False, fullgraph=True)
 
     def call():

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
 import torch
 
 from dflash_train.cli import main
@@ -132,14 +134,20 @@ def test_a_failing_replica_stops_regeneration_and_is_named(chat_target, tmp_path
 
     data = write_chats(tmp_path / "chats.jsonl", 40, turns=1)
     models = [load_causal_lm(chat_target, torch.device("cpu")) for _ in range(2)]
-    calls = {"n": 0}
+    calls = {0: 0, 1: 0}
+    other_wrote = threading.Event()  # replica 0 prefilled again: a slot of its first batch was finished and written
     original = Engine._prefill
 
     def flaky(self, *args):
-        if self.hf is models[1]:
-            calls["n"] += 1
-            if calls["n"] == 2:
-                raise ValueError("boom on the second prefill")
+        replica = 0 if self.hf is models[0] else 1
+        calls[replica] += 1
+        if replica == 0 and calls[0] == 2:
+            other_wrote.set()
+        if replica == 1 and calls[1] == 2:
+            # fail only once the other replica has written something (on a busy machine replica 1 could get here
+            # first); bounded, so a broken engine fails the assertion below instead of hanging
+            other_wrote.wait(timeout=120)
+            raise ValueError("boom on the second prefill")
         return original(self, *args)
 
     monkeypatch.setattr(Engine, "_prefill", flaky)

@@ -39,7 +39,7 @@ from ..config import TARGET_COMPILE
 from ..devices import choose, compute_dtype
 from ..errors import UserError
 from .cuda_graph import GraphedStep
-from .flex import FLEX_TILE, ordered_tiles
+from .flex import FLEX_TILE, tile_block_mask
 
 log = logging.getLogger("dflash_train")
 
@@ -179,8 +179,6 @@ def doc_causal_block_mask(doc_ids: torch.Tensor, tile: int = FLEX_TILE):
       partial  j <= i, not full, and the tiles' document ranges overlap (a superset of the tiles holding a visible
                pair; mask_mod decides per element, so a superset stays exact).
     Documents need not be sorted; padding (-1) is a document of its own, as in doc_causal_mask."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     T, dev = doc_ids.shape[0], doc_ids.device
     n = -(-T // tile)
     docs = doc_ids[torch.arange(n * tile, device=dev).clamp(max=T - 1)].view(n, tile)
@@ -191,14 +189,11 @@ def doc_causal_block_mask(doc_ids: torch.Tensor, tile: int = FLEX_TILE):
     full = before & one_doc[:, None] & one_doc[None, :] & (lo[None, :] == lo[:, None])
     overlap = (lo[None, :] <= hi[:, None]) & (lo[:, None] <= hi[None, :])
     partial = causal & overlap & ~full
-    kv_num, kv_idx = ordered_tiles(partial)
-    full_num, full_idx = ordered_tiles(full)
 
     def doc_causal(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & (doc_ids[q_idx] == doc_ids[kv_idx])
 
-    return BlockMask.from_kv_blocks(kv_num[None, None], kv_idx[None, None], full_num[None, None],
-                                    full_idx[None, None], BLOCK_SIZE=tile, mask_mod=doc_causal, seq_lengths=(T, T))
+    return tile_block_mask(partial, full, doc_causal, (T, T), tile)
 
 
 @dataclass

@@ -13,10 +13,11 @@ Everything here has fixed shapes given (T = token_budget, A = num_anchors, B = b
 never recompiles, and nothing calls .item(): metrics stay on the device until the log step reads them.
 
 Fast paths (each pinned by a simple reference in tests/test_objective_fast.py): the flex BlockMask is built at tile
-granularity from per-tile bounds (never the [A*B, T+A*B] element mask), and the frozen LM head's cross-entropy is
-fused and chunked (`_FusedLinearCE`: the gradient w.r.t. the hidden states is formed while each chunk's logits exist;
-the target's logits for distillation are formed there too, chunk by chunk, so no [n, V] tensor ever exists;
-DFlash 2's top-K selector candidates are taken from the same chunks, so they cost no LM-head pass of their own).
+granularity from per-tile bounds (never the [A*B, T+A*B] element mask), once a step and with no sort, and the frozen
+LM head's cross-entropy is fused and chunked (`_FusedLinearCE`: the gradient w.r.t. the hidden states is formed while
+each chunk's logits exist; the target's logits for distillation are formed there too, chunk by chunk, so no [n, V]
+tensor ever exists; DFlash 2's top-K selector candidates are taken from the same chunks, so they cost no LM-head pass
+of their own).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..models.drafter import AttendFn, DFlashDrafter
-from ..models.flex import FLEX_TILE, ordered_tiles
+from ..models.flex import FLEX_TILE, tile_block_mask
 from .cudagraphs import configure_cudagraphs
 from .selector import selector_objective
 
@@ -156,17 +157,13 @@ class FlexMask:
     """
     anchors: torch.Tensor      # [A] anchor position of each block
     doc_ids: torch.Tensor      # [T] document of each context token
-    kv_num: torch.Tensor       # [Qt] int32: partial (masked) key tiles per query tile
-    kv_idx: torch.Tensor       # [Qt, KVt] int32: their indices first, ascending
-    full_num: torch.Tensor     # [Qt] int32: fully visible key tiles (no mask_mod needed)
-    full_idx: torch.Tensor     # [Qt, KVt] int32
+    partial: torch.Tensor      # bool [Qt, KVt]: key tiles that mask_mod decides per element
+    full: torch.Tensor         # bool [Qt, KVt]: key tiles every query of the query tile sees whole
     block_size: int
     tile: int = FLEX_TILE
 
     def block_mask(self):
-        """-> torch BlockMask (traceable: built inside the compiled region from the tensors above)."""
-        from torch.nn.attention.flex_attention import BlockMask
-
+        """-> torch BlockMask (traceable: built inside the compiled region from the tensors above, with no sort)."""
         anchors, doc_ids = self.anchors, self.doc_ids
         A, T, B = anchors.shape[0], doc_ids.shape[0], self.block_size
 
@@ -177,9 +174,7 @@ class FlexMask:
             own = (kv_idx >= T) & ((kv_idx - T) // B == q_idx // B)
             return ctx | own
 
-        return BlockMask.from_kv_blocks(self.kv_num[None, None], self.kv_idx[None, None], self.full_num[None, None],
-                                        self.full_idx[None, None], BLOCK_SIZE=self.tile, mask_mod=mask_mod,
-                                        seq_lengths=(A * B, T + A * B))
+        return tile_block_mask(self.partial, self.full, mask_mod, (A * B, T + A * B), self.tile)
 
 
 def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: int, tile: int = FLEX_TILE) -> FlexMask:
@@ -217,20 +212,20 @@ def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: in
             & (k1[None, :] <= anchor_min[:, None]))                                   # [Qt, KVt]
     ctx = (k0[None, :] < ctx_hi[:, None]) & (k1[None, :] > ctx_lo[:, None])
     own = (k0[None, :] < own_hi[:, None]) & (k1[None, :] > own_lo[:, None])
-    partial = (ctx | own) & ~full
-    kv_num, kv_idx = ordered_tiles(partial)
-    full_num, full_idx = ordered_tiles(full)
-    return FlexMask(anchors, doc_ids, kv_num, kv_idx, full_num, full_idx, B, tile)
+    return FlexMask(anchors, doc_ids, (ctx | own) & ~full, full, B, tile)
 
 
-def _flex_block_attention(q, k, v, anchors, doc_ids, kv_num, kv_idx, full_num, full_idx, block_size: int, tile: int):
+def _flex(q, k, v, block_mask):
     from torch.nn.attention.flex_attention import flex_attention
 
-    mask = FlexMask(anchors, doc_ids, kv_num, kv_idx, full_num, full_idx, block_size, tile)
     # q/k/v arrive as [1, heads, L, d] views of [L, heads, d]; dense [1, heads, L, d] is the kernels' native layout
     # (inductor's CPU template rejects the views; compiled, the copy fuses into the RoPE kernel that writes them).
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return flex_attention(q, k, v, block_mask=mask.block_mask(), enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def _flex_block_attention(q, k, v, anchors, doc_ids, partial, full, block_size: int, tile: int):
+    return _flex(q, k, v, FlexMask(anchors, doc_ids, partial, full, block_size, tile).block_mask())
 
 
 _compiled_flex = None
@@ -239,9 +234,9 @@ _compiled_flex_lock = threading.Lock()
 
 def _flex_impl(device: torch.device):
     """Un-compiled flex attention is a slow dense reference: outside a compiled step, CUDA calls go through
-    a compiled copy (one per process; recompiles only for new shapes). Inside a compiled step dynamo inlines it."""
+    a compiled copy (one per process; recompiles only for new shapes)."""
     global _compiled_flex
-    if device.type != "cuda" or torch.compiler.is_compiling():
+    if device.type != "cuda":
         return _flex_block_attention
     with _compiled_flex_lock:
         if _compiled_flex is None:
@@ -251,9 +246,15 @@ def _flex_impl(device: torch.device):
 
 
 def flex_attend(mask: FlexMask) -> AttendFn:
+    """Each layer's attention under `mask`. Inside a compiled step the BlockMask is built once, here, and shared by
+    every layer (one mask build in the graph, not one a layer); outside, each call takes the mask's tensors."""
+    if torch.compiler.is_compiling():
+        block_mask = mask.block_mask()
+        return lambda q, k, v: _flex(q, k, v, block_mask)
+
     def attend(q, k, v):
-        return _flex_impl(q.device)(q, k, v, mask.anchors, mask.doc_ids, mask.kv_num, mask.kv_idx, mask.full_num,
-                                    mask.full_idx, mask.block_size, mask.tile)
+        return _flex_impl(q.device)(q, k, v, mask.anchors, mask.doc_ids, mask.partial, mask.full, mask.block_size,
+                                    mask.tile)
     return attend
 
 
