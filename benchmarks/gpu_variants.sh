@@ -24,7 +24,8 @@
 # steps on each target forward, each with its own anchors), reuse2a512 (the same with 512 anchors), cache (rows fixed
 # across epochs and their target features kept on the GPU: train.feature_cache_gb=100, capped at the free memory
 # less 8 GiB; side by side, the first run to fill the GPU leaves the others less), anchors (blocks started where
-# decoding starts them: train.anchor_sampling=decoding). The loss
+# decoding starts them: train.anchor_sampling=decoding), accum2 (two rows a step: train.accumulate=2, the same lr),
+# accum2lr (the same at lr 5.66e-3: the demo's 4e-3 times sqrt 2, the usual rule for Adam at twice the batch). The loss
 # weightings side by side:
 #   PARALLEL=1 bash benchmarks/gpu_variants.sh ce decay gamma4
 # v1 against v2 at the same data and budget:
@@ -87,6 +88,8 @@ variant_args() {
     reuse2a512) echo "train.steps_per_row=2 train.num_anchors=512" ;;
     cache) echo "train.feature_cache_gb=100" ;;
     anchors) echo "train.anchor_sampling=decoding" ;;
+    accum2) echo "train.accumulate=2" ;;
+    accum2lr) echo "train.accumulate=2 train.lr=5.66e-3" ;;
     *) echo "unknown variant $1" >&2; return 2 ;;
   esac
 }

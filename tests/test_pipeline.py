@@ -119,6 +119,43 @@ def test_steps_per_row_runs_the_target_once_a_row_and_equals_the_single_device_t
         train_pipeline(cfg_for(tiny_llama, tmp_path / "two", drafters=("cpu", "cpu"), **k2))
 
 
+def test_accumulated_rows_update_as_replicas_do_and_resume_exactly(tiny_llama, tmp_path, monkeypatch):
+    """train.accumulate=2: one replica trains two rows a step, their mean gradient in one update; that is the update
+    two replicas make from the same two rows (the same batches, the same anchors), and the single-device trainer's.
+    Steps count updates (epochs, tokens a step), and a crash resumes at the right row."""
+    k2 = {"train.accumulate": 2, "train.max_steps": 6}
+    acc = train_pipeline(cfg_for(tiny_llama, tmp_path / "acc", **k2))
+    assert acc.steps == 6 and acc.replica_batches == [list(range(12))]
+    two = train_pipeline(cfg_for(tiny_llama, tmp_path / "two", drafters=("cpu", "cpu"), **{"train.max_steps": 6}))
+    assert two.replica_batches == [list(range(0, 12, 2)), list(range(1, 12, 2))]
+    assert_same_weights(acc.drafter_dir, two.drafter_dir)  # (g0 + g1) * 0.5 == (g0 + g1) / 2, bit for bit
+    for a, b in zip(acc.history, two.history):  # the mean, not the sum (AdamW alone would hardly tell)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    ref = single_loop_as_the_pipeline_runs(cfg_for(tiny_llama, tmp_path / "ref", **k2))
+    assert [{k: h[k] for k in METRICS} for h in acc.history] == [{k: h[k] for k in METRICS} for h in ref.history]
+    assert_same_weights(acc.drafter_dir, ref.drafter_dir)
+    one = train_pipeline(cfg_for(tiny_llama, tmp_path / "one", **{"train.max_steps": 6}))
+    assert acc.data["epochs"] == pytest.approx(2 * one.data["epochs"])  # a step trains two rows
+    tokens = [h["tokens_per_s"] * h["step_time_s"] for h in (acc.history[-1], one.history[-1])]
+    assert tokens[0] == pytest.approx(2 * tokens[1])
+    assert "6 steps, 2 rows per step (2 accumulated a replica: train.accumulate)" in \
+        (tmp_path / "acc" / "run.log").read_text()
+    # A crash after step 4 (checkpoint at step 3: data position 6) resumes to the same weights.
+    run = tmp_path / "crashed"
+    monkeypatch.setenv(ENV_VAR, "drafter0:step=4:raise")
+    with pytest.raises(RuntimeError, match="drafter0 failed"):
+        train_pipeline(cfg_for(tiny_llama, run, **{"train.checkpoint_every": 3}, **k2))
+    monkeypatch.delenv(ENV_VAR)
+    resumed = train_pipeline(cfg_for(tiny_llama, run, **{"run.resume": "auto"}, **k2))
+    assert resumed.replica_batches == [list(range(6, 12))]
+    assert_same_weights(run / "drafter_last", tmp_path / "acc" / "drafter_last")
+    with pytest.raises(ConfigError, match="train.accumulate=2 and train.steps_per_row=2 would put"):
+        cfg_for(tiny_llama, tmp_path / "bad", **k2, **{"train.steps_per_row": 2})
+    with pytest.raises(ConfigError, match="train.accumulate must be at least 1"):
+        cfg_for(tiny_llama, tmp_path / "bad", **{"train.accumulate": 0})
+
+
 def test_feature_cache_runs_the_target_once_a_row_and_trains_the_same_steps(tiny_llama, tmp_path):
     """train.feature_cache_gb: the rows kept from the first epoch cost no target forward in the later ones, and the
     training is step for step that of the same fixed rows with nothing kept (a budget below one row), and of the

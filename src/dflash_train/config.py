@@ -281,6 +281,10 @@ class TrainConfig:
                                "the drafter's GPU, or a large one, then costs each step less); the data passes "
                                "(epochs) count rows, so each pass makes this many times the steps. One target and "
                                "one drafter device in one process only.")
+    accumulate: int = _f(1, "Packed rows per optimizer step on each drafter replica: their gradients are summed "
+                            "(each row weighing 1/accumulate) before one update, so an update sees accumulate x "
+                            "replicas rows, the effective batch, at the memory of one. Steps, the LR schedule, "
+                            "logs and checkpoints count updates; a step costs this many drafter passes.")
     feature_cache_gb: float = _f(0.0, "GiB of each target device's memory that keep rows' target features from "
                                       "the first epoch for the later ones, so that the target runs once per row "
                                       "instead of once per epoch (a target sharing the drafter's GPU then leaves "
@@ -441,6 +445,11 @@ class TrainConfig:
                               f"(got {self.feature_cache_gb}).")
         if self.steps_per_row < 1:
             raise ConfigError(f"train.steps_per_row must be at least 1 (got {self.steps_per_row}).")
+        if self.accumulate < 1:
+            raise ConfigError(f"train.accumulate must be at least 1 (got {self.accumulate}).")
+        if self.accumulate > 1 and self.steps_per_row > 1:
+            raise ConfigError(f"train.accumulate={self.accumulate} and train.steps_per_row={self.steps_per_row} "
+                              "would put one row's copies into one update; set one of them to 1.")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"train.muon_momentum must be in [0, 1), e.g. 0.95 (got {self.muon_momentum}).")
         if len(self.betas) != 2:

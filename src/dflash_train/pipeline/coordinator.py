@@ -116,7 +116,7 @@ class _Pipeline:
         self._thread = threading.current_thread()
         self.watchdog = Watchdog(self.control, cfg.pipeline.stall_timeout_s)
         self.shard = DataShard(self.n, peers.rank, peers.world)
-        self.run_setup = build_run(cfg, batches_per_step=self.shard.global_replicas, out_dir=out_dir,
+        self.run_setup = build_run(cfg, replicas=self.shard.global_replicas, out_dir=out_dir,
                                    regenerate=regenerate_for_run)
         self.ckpt = CheckpointManager(self.run_setup.out_dir, cfg.train.keep_checkpoints,
                                       mid_save=self._mid_checkpoint if faults is not None else None)
@@ -132,7 +132,7 @@ class _Pipeline:
         self.budget = TimeBudget(cfg.train.max_minutes if peers.is_rank0 else None,
                                  replicas=self.shard.global_replicas)
         self.logger = MetricsLogger(self.run_setup.out_dir if peers.is_rank0 else None, self.run_setup.total_steps,
-                                    cfg.train.token_budget * self.shard.global_replicas, cfg.train.log_every,
+                                    cfg.train.token_budget * self.run_setup.batches_per_step, cfg.train.log_every,
                                     start_step=self.start_step, budget=self.budget)
         try:
             # Rank 0's replica 0 validates (the replicas are identical); its rows' features come from the target now.
@@ -167,7 +167,7 @@ class _Pipeline:
         self.reporter = StepReporter(self.logger, self.ckpt, self.validator,
                                      checkpoint_every=cfg.train.checkpoint_every,
                                      total_steps=self.run_setup.total_steps,
-                                     batches_per_step=self.shard.global_replicas, queues=(batches, feats),
+                                     batches_per_step=self.run_setup.batches_per_step, queues=(batches, feats),
                                      target_clocks={t.name: t.clock for t in self.targets},
                                      drafter_clocks={f"drafter{r}": clock for r, clock in enumerate(clocks)},
                                      busy=clocks[0])
@@ -379,7 +379,7 @@ class _Pipeline:
         st = d0.state
         try:
             self.ckpt.save(d0.steps_done, st.drafter, st.optimizer, st.scheduler,
-                           data_position=d0.steps_done * self.shard.global_replicas)
+                           data_position=d0.steps_done * self.run_setup.batches_per_step)
             return self.ckpt.wait()  # complete before the summary names it or the final export starts
         except Stopped:
             pass  # an injected stall, ended by the watchdog's failure report

@@ -1,9 +1,9 @@
 """Stage 4, a drafter worker: one thread per drafter device, each holding a full replica of the drafter.
 
-Per step: wait for the batch on its device -> DrafterStep (compiled fwd + bwd) -> average grads with the other
-replicas -> clip -> AdamW -> schedule. Replicas start from the same weights and optimizer state and see the same
-averaged gradients, so they stay bit-identical; a per-step weight checksum lets tests (and the end of the run)
-prove it. Replica 0 also reports: log lines and checkpoints happen on its thread, between two steps.
+Per step: wait for the batch on its device -> DrafterStep (compiled fwd + bwd), for train.accumulate batches in a
+row, their gradients summed then scaled to their mean -> average grads with the other replicas -> clip -> AdamW ->
+schedule. Replicas start from the same weights and optimizer state and see the same averaged gradients, so they
+stay bit-identical; a per-step weight checksum lets tests (and the end of the run) prove it. Replica 0 also reports: log lines and checkpoints happen on its thread, between two steps.
 """
 
 from __future__ import annotations
@@ -135,21 +135,29 @@ class DrafterWorker(Worker):
         self.shared.gradsync.prepare(self.replica, st.params, metrics)  # the all-reduce layout, before step 1
         st.optimizer.zero_grad(set_to_none=False)  # in place: DrafterStep's .grad buffers are persistent
 
+    def _train_row(self, step: int) -> dict:
+        """The next batch of the inbox: forward + backward, its gradients added to the .grad buffers. The batch's
+        device memory can be reused once this returns (and the step's kernels are done)."""
+        item = self.get(self.inbox)
+        if item is END_OF_DATA:
+            raise RuntimeError(f"the data ended after {step} steps, before step {self.shared.total_steps}")
+        wait_event(item.ready, self.device)  # the prefetcher's copies are done
+        self.batch_indices.append(item.batch.index)
+        with self.clock.busy():
+            return self.state.step_fn(item.batch, item.feats)
+
     def loop(self) -> None:
         s, st = self.shared, self.state
+        rows = s.train.accumulate
         for step in range(self.steps_done, s.total_steps):
-            item = self.get(self.inbox)
-            if item is END_OF_DATA:
-                raise RuntimeError(f"the data ended after {step} steps, before step {s.total_steps}")
             fault = self.inject("step", step)
-            wait_event(item.ready, self.device)  # the prefetcher's copies are done
-            self.batch_indices.append(item.batch.index)
-            with self.clock.busy():
-                metrics = st.step_fn(item.batch, item.feats)
-            if fault:  # injected nan/inf: this replica's loss and gradients
-                poison_(fault, metrics["loss"], *(p.grad for p in st.params))
-            self.window.add(metrics)
-            del item  # the batch's device memory can be reused as soon as the step's kernels are done
+            for row in range(rows):
+                metrics = self._train_row(step)
+                if fault and row == rows - 1:  # injected nan/inf: this replica's loss and gradients
+                    poison_(fault, metrics["loss"], *(p.grad for p in st.params))
+                self.window.add(metrics)
+            if rows > 1:  # the mean of the rows' gradients, as the replicas' are averaged
+                torch._foreach_mul_([p.grad for p in st.params], 1.0 / rows)
             log_step = s.is_log_step(step + 1)
             metrics = s.gradsync.all_reduce(self.replica, st.params, self.window.take() if log_step else None,
                                             self.wait_for, self.beat)

@@ -48,21 +48,21 @@ class RunSetup:
     data: DatasetSplit
     schedule: BatchSchedule
     total_steps: int
-    batches_per_step: int
+    batches_per_step: int   # batches one optimizer step consumes: replicas x train.accumulate
     drafter: DFlashDrafter
     data_summary: dict  # conversations, unique/supervised tokens, epochs the steps amount to, share per source
 
 
-def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = None,
+def build_run(cfg: Config, replicas: int = 1, out_dir: Path | None = None,
               regenerate: RegenerateFn | None = None) -> RunSetup:
-    """out_dir: already made (and locked) by prepare_out_dir, else made and locked here, and unlocked again if the
+    """replicas: drafter replicas over all processes, each training train.accumulate batches a step. out_dir: already made (and locked) by prepare_out_dir, else made and locked here, and unlocked again if the
     setup fails (on success the caller's hold_run_dir scope unlocks it). regenerate: data.regenerate's step
     (generation.run_data.regenerate_for_run), passed in by the layer that owns generation; needed when
     cfg.data.regenerate is set."""
     if out_dir is None:
         out_dir = prepare_out_dir(cfg)
         try:
-            return build_run(cfg, batches_per_step, out_dir, regenerate)
+            return build_run(cfg, replicas, out_dir, regenerate)
         except BaseException:
             release_run_dir(out_dir)
             raise
@@ -84,6 +84,7 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
     rows = BatchSchedule(data.train, cfg.train.token_budget, cfg.train.num_anchors, cfg.train.seed, 1, pad_id)
     rows_per_epoch = rows.rows_per_epoch
     t = cfg.train
+    batches_per_step = replicas * t.accumulate
     if t.max_steps:
         total_steps = t.max_steps
     else:
@@ -119,6 +120,8 @@ def build_run(cfg: Config, batches_per_step: int = 1, out_dir: Path | None = Non
                  "starts its blocks (train.anchor_sampling=decoding: weight 0.1 + (1 - p)); the target runs every "
                  "layer and its LM head once a row for p")
     per_row = f", {t.steps_per_row} steps per row (train.steps_per_row)" if t.steps_per_row > 1 else ""
+    if t.accumulate > 1:
+        per_row += f", {batches_per_step} rows per step ({t.accumulate} accumulated a replica: train.accumulate)"
     log.info(f"data: {len(data.train)} train / {len(data.heldout)} held-out conversations, {rows_per_epoch} rows of "
              f"{cfg.train.token_budget} tokens per epoch; {total_steps} steps{per_row}")
     # A data.mix may repeat a small source: its stats count each distinct conversation once.

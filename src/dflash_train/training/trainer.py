@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import chain, islice
 from pathlib import Path
 
+import torch
 
 from ..config import Config
 from ..models.checkpoint import save_drafter
@@ -72,13 +74,13 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
         scheduler.load_state_dict(state["scheduler"])
 
     step_fn = DrafterStep(drafter, target.embed_tokens.weight, target.lm_head.weight, cfg.train, device)
-    logger = MetricsLogger(setup.out_dir, setup.total_steps, cfg.train.token_budget, cfg.train.log_every,
-                           start_step=start_step, budget=budget)
+    logger = MetricsLogger(setup.out_dir, setup.total_steps, cfg.train.token_budget * setup.batches_per_step,
+                           cfg.train.log_every, start_step=start_step, budget=budget)
     pad_id = getattr(setup.tokenizer, "pad_token_id", None) or 0
     validator = Validator(build_validation_rows(setup.data.heldout, cfg, target, device, pad_id,
                                                 sources=setup.data.heldout_sources, keys=setup.data.heldout_keys),
                           setup.out_dir, cfg.train.eval_every, setup.total_steps, logger)
-    step = start_step
+    step, per_step = start_step, setup.batches_per_step  # batches a step: train.accumulate (one replica)
     update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
     window = StepWindow()  # the steps since the last log line
     # a row's batches share one target forward (train.steps_per_row), kept rows every epoch's (train.feature_cache_gb)
@@ -89,10 +91,14 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
         # in flight: its error is raised (logged if another leaves)
         with frozen_heap(), logger.watch_gc(), ckpt:
             budget.start()  # the clock starts here; this loop compiles inside its first step
-            for batch in setup.schedule.iter_from(start_step):
-                b = batch.to(device)
-                feats = rows(batch.index, lambda: target.features(b.input_ids, b.position_ids, b.doc_ids))
-                window.add(step_fn(b, feats))
+            batches = setup.schedule.iter_from(start_step * per_step)
+            for head in batches:
+                for batch in chain([head], islice(batches, per_step - 1)):  # train.accumulate rows, summed ...
+                    b = batch.to(device)
+                    feats = rows(batch.index, lambda: target.features(b.input_ids, b.position_ids, b.doc_ids))
+                    window.add(step_fn(b, feats))
+                if per_step > 1:  # ... then their mean, as the pipeline's replicas take it
+                    torch._foreach_mul_([p.grad for p in params], 1.0 / per_step)
                 update(step + 1)
                 step += 1
                 first = step == start_step + 1
@@ -111,11 +117,11 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
                 if validator.due(step) or (stop and validator.enabled):
                     validator(step, step_fn, drafter, logger.history[-1]["tau_est"] if logger.history else None)
                 if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
-                    ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
+                    ckpt.save(step, drafter, optimizer, scheduler, data_position=step * per_step)
                     validator.mark_checkpoint(ckpt, step)
                 if stop:
                     break
-            ckpt.save(step, drafter, optimizer, scheduler, data_position=step)
+            ckpt.save(step, drafter, optimizer, scheduler, data_position=step * per_step)
             validator.mark_checkpoint(ckpt, step)
         final, best = validator.finish(save_drafter(drafter, setup.out_dir / "drafter"))
     finally:
