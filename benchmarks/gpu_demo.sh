@@ -17,7 +17,8 @@
 #                 (COMPILE_SETS, default the kernel-option sets of benchmarks/gpu_flex_compile.py; its sets step and
 #                 step_sdpa compile the whole training step instead; COMPILE_SET_S seconds at most a set, COMPILE_S
 #                 for all), each kernel's compile timed
-#   profile_drafter  the demo's drafter step alone (benchmarks/gpu_profile.py drafter, v1): ms a step, top kernels
+#   profile_drafter  the demo's drafter step alone (benchmarks/gpu_profile.py drafter, v1): ms a step with CUDA graphs
+#                    and without, the compiled step's top kernels (PROFILE_MODES="reduce-overhead eager": eager's)
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)
 #   poll     wait until the demo ends or POLL_S seconds (default 500) pass, then the demo log's last lines (issue the
@@ -165,9 +166,10 @@ check_compile() {
 }
 
 profile_drafter() {
-  banner "the demo's drafter step (8 layers, 8,192 x 1,024 x 16): compiled time, eager kernel breakdown"
+  banner "the demo's drafter step (8 layers, 8,192 x 1,024 x 16): time per mode, the compiled step's kernels"
+  # streamed (a cut call still returns what ran); the whole output is in gpu_demo.log
   PROFILE_ARCHS=dflash timeout ${PROFILE_S:-150} python3 benchmarks/gpu_profile.py drafter 2>&1 |
-    grep -v -E "it/s\]|s/it\]" | tail -40
+    grep --line-buffered -v -E "it/s\]|s/it\]|UserWarning|return node.target"
 }
 
 join() {

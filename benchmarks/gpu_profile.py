@@ -10,8 +10,8 @@
                                                               # with 8 layers (PROFILE_ARCHS=dflash: v1 only)
 
 Random-init weights of SmolLM2-135M's shape (speed does not depend on the values), bf16, one GPU. Prints, per
-case, the time per call (CUDA events, median of 5 after warm-up) and the top kernels of one profiled call, eager:
-the breakdown that says what to speed up. A probe, not a benchmark: its figures go to docs/BENCHMARKS.md only with
+case, the time per call (CUDA events, median of 5 after warm-up) and the top kernels of one profiled call: the
+breakdown that says what to speed up. A probe, not a benchmark: its figures go to docs/BENCHMARKS.md only with
 this command next to them.
 """
 
@@ -43,7 +43,7 @@ def top_kernels(fn, title: str, rows: int = 12) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    print(f"--- {title}: top kernels (one call, eager)")
+    print(f"--- {title}: top kernels (one call)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
 
 
@@ -266,8 +266,9 @@ def profile_target() -> None:
 
 
 def profile_drafter() -> None:
-    """The drafter step the demo trains (fwd + bwd + clip + AdamW): compiled (reduce-overhead, as trained) for the
-    time, eager for the kernel breakdown (a CUDA graph replays as one opaque launch)."""
+    """The drafter step the demo trains (fwd + bwd + clip + AdamW), timed in each mode of PROFILE_MODES (default:
+    reduce-overhead, as trained, then default): the kernel breakdown comes from `default`, the same compiled kernels
+    without CUDA graphs (a graph replays as one opaque launch), and from `eager` where named."""
     import harness
     from cases import DrafterRig, train_batches
 
@@ -276,7 +277,7 @@ def profile_drafter() -> None:
     batches, _ = train_batches(ctx, suite=suite)
     with torch.enable_grad():
         for arch in os.environ.get("PROFILE_ARCHS", "dflash dflash2").split():
-            for mode in ("reduce-overhead", "eager"):
+            for mode in os.environ.get("PROFILE_MODES", "reduce-overhead default").split():
                 rig = DrafterRig(ctx, mode, "flex", tag=f"profile-{arch}-{mode}", suite=suite, architecture=arch)
                 feats = torch.randn(suite.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size,
                                     device=ctx.device, dtype=suite.dtype)
@@ -289,8 +290,8 @@ def profile_drafter() -> None:
                 ms = timed(step, 10)
                 print(f"drafter step {arch}, {mode}: {ms:.2f} ms = {1e3 / ms:.1f} steps/s of {suite.token_budget} "
                       f"tokens x {suite.num_anchors} anchors")
-                if mode == "eager":
-                    top_kernels(step, f"drafter step {arch} (eager)", rows=25)
+                if mode != "reduce-overhead":
+                    top_kernels(step, f"drafter step {arch} ({mode})", rows=25)
                 rig = None
                 torch.cuda.empty_cache()
 
