@@ -25,7 +25,8 @@
 # across epochs and their target features kept on the GPU: train.feature_cache_gb=100, capped at the free memory
 # less 8 GiB; side by side, the first run to fill the GPU leaves the others less), anchors (blocks started where
 # decoding starts them: train.anchor_sampling=decoding), accum2 (two rows a step: train.accumulate=2, the same lr),
-# accum2lr (the same at lr 5.66e-3: the demo's 4e-3 times sqrt 2, the usual rule for Adam at twice the batch). The loss
+# accum2lr (the same at lr 5.66e-3: the demo's 4e-3 times sqrt 2, the usual rule for Adam at twice the batch), wd01 /
+# wd1 (decoupled weight decay 0.01 / 0.1: train.weight_decay, 0 in the demo). The loss
 # weightings side by side:
 #   PARALLEL=1 bash benchmarks/gpu_variants.sh ce decay gamma4
 # v1 against v2 at the same data and budget:
@@ -90,6 +91,8 @@ variant_args() {
     anchors) echo "train.anchor_sampling=decoding" ;;
     accum2) echo "train.accumulate=2" ;;
     accum2lr) echo "train.accumulate=2 train.lr=5.66e-3" ;;
+    wd01) echo "train.weight_decay=0.01" ;;
+    wd1) echo "train.weight_decay=0.1" ;;
     *) echo "unknown variant $1" >&2; return 2 ;;
   esac
 }
