@@ -390,10 +390,11 @@ def bench_target(ctx: Context):
         return measure(fwd, T_max, T_max * T_max / 2)
     ctx.variant("target", "eager, causal only (ceiling: ignores documents)", f"T={T_max}", causal_only, cost_s=15)
 
-    def pipeline_forward(T: int, attention: str, compile: str, graphs: bool) -> Row:
+    def pipeline_forward(T: int, attention: str, compile: str, graphs: bool, layers: bool = False) -> Row:
         """The target worker's own forward: FeatureForward as pipeline/target_worker.py builds it from
-        model.target_attention, model.target_compile and model.target_graphs (compiled on its first call, or while
-        it is captured; timed with the row's copies in and, under a graph, the features' copy out)."""
+        model.target_attention, model.target_compile (layers: model.target_compile_layers) and model.target_graphs
+        (compiled on its first call, or while it is captured, build_s; timed with the row's copies in and, under a
+        graph, the features' copy out)."""
         if graphs and dev.type != "cuda":
             raise Skip("CUDA graphs need a CUDA device")
         target, ids, pos, doc, row = inputs(T)
@@ -403,7 +404,8 @@ def bench_target(ctx: Context):
                 configure_cudagraphs()  # the training's compile policy (training/cudagraphs.py)
             before = compile_counters()
             t0 = time.perf_counter()
-            fn = FeatureForward(target, T, compile, graphs, backend=s.compile_backend if compile != "eager" else None)
+            fn = FeatureForward(target, T, compile, graphs, backend=s.compile_backend if compile != "eager" else None,
+                                layers=layers)
             sync(dev)
             build_s = time.perf_counter() - t0
             r = measure(lambda i: fn(ids, pos, doc), T, causal_pairs(row.doc_ids), extra={"build_s": build_s})
@@ -439,6 +441,10 @@ def bench_target(ctx: Context):
     for T in s.target_compile_seqs:  # the dense document mask compiled (model.target_attention=sdpa)
         ctx.variant("target", "torch.compile (default)", f"T={T}",
                     lambda T=T: pipeline_forward(T, "sdpa", "default", graphs=False), cost_s=100)
+    # Each decoder layer compiled on its own (model.target_compile_layers): a faster cold compile (build_s), at what
+    # cost in speed (no fusion across layers)? Last: it compiles the shared target's layers in place, for good.
+    ctx.variant("target", "compile default each layer + CUDA graph, flex (model.target_compile_layers)", f"T={T_max}",
+                lambda: pipeline_forward(T_max, "flex", "default", True, layers=True), cost_s=60)
 
 
 @benchmark("colocated", "colocated baseline: one device runs the target forward then the drafter step, "

@@ -49,13 +49,15 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.parametrize("layers", [False, True], ids=["forward", "each-layer"])
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
-def test_compiled_forward_equals_eager_on_every_layout_without_recompiling(tiny_target, attention):
-    """fp32, aot_eager stand-in: one graph, no graph break, then the other layouts with recompiling an error."""
+def test_compiled_forward_equals_eager_on_every_layout_without_recompiling(tiny_target, attention, layers):
+    """fp32, aot_eager stand-in: one graph, no graph break, then the other layouts with recompiling an error. With
+    model.target_compile_layers the one graph is a decoder layer's, serving every layer (the taps' hooks outside)."""
     target = load_target(tiny_target, [1, 3], attention=attention)
-    compiled = FeatureForward(target, T, compile="default", backend="aot_eager")
     rows = [packed(lens, seed=i) for i, lens in enumerate(LAYOUTS)]
     eager = [target.features(*row) for row in rows]  # first: eager flex compiles its own kernel (transformers)
+    compiled = FeatureForward(target, T, compile="default", backend="aot_eager", layers=layers)
     before, breaks = graphs_compiled(), sum(counters["graph_break"].values())
     outs = [compiled(*rows[0])]  # compiles
     assert graphs_compiled() - before == 1 and sum(counters["graph_break"].values()) == breaks
@@ -86,31 +88,38 @@ def test_a_row_of_another_length_is_refused_not_recompiled(tiny_llama):
         compiled(torch.zeros(T // 2, dtype=torch.long), torch.arange(T // 2), torch.zeros(T // 2, dtype=torch.long))
 
 
-def pipeline_losses(tiny_llama, out, target_compile: str) -> list[float]:
+def pipeline_losses(tiny_llama, out, target_compile: str, *more: str) -> list[float]:
     cfg = load_config("tiny_cpu", [f"model.target={tiny_llama}", f"run.out_dir={out}", "train.max_steps=4",
-                                   "train.log_every=1", f"model.target_compile={target_compile}"])
+                                   "train.log_every=1", f"model.target_compile={target_compile}", *more])
     res = train_pipeline(cfg)
     assert res.steps == 4
     return [h["loss"] for h in res.history]
 
 
-def test_pipeline_trains_to_the_eager_losses_compiling_in_the_target_thread(tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layers", [False, True], ids=["forward", "each-layer"])
+def test_pipeline_trains_to_the_eager_losses_compiling_in_the_target_thread(tiny_llama, tmp_path, monkeypatch,
+                                                                            layers):
     """model.target_compile=default through the whole pipeline (aot_eager stand-in for inductor, recorded): one
     compile, at fixed shapes, in the target worker's thread; the recompile guard is armed with it, so any rows'
-    recompile would have failed the run; the losses are the eager run's to 1e-5 (the same fp32 ops, traced)."""
+    recompile would have failed the run; the losses are the eager run's to 1e-5 (the same fp32 ops, traced). With
+    model.target_compile_layers the one compile is a decoder layer's, for every layer."""
     compiles: list[tuple[str, dict]] = []
     real_compile, aot_eager = torch.compile, lookup_backend("aot_eager")
+    # One backend object per set of arguments, as inductor's (its wrappers of one mode compare equal): dynamo reuses
+    # a layer's compiled graph for the other layers only under an equal backend (model.target_compile_layers).
+    backends = {}
 
     def recording_compile(fn, **kw):
         def backend(gm, example_inputs):
             compiles.append((threading.current_thread().name, kw))
             return aot_eager(gm, example_inputs)
-        return real_compile(fn, dynamic=kw["dynamic"], backend=backend)
+        return real_compile(fn, dynamic=kw["dynamic"], backend=backends.setdefault(repr(sorted(kw.items())), backend))
 
     eager = pipeline_losses(tiny_llama, tmp_path / "eager", "eager")
     monkeypatch.setattr(torch, "compile", recording_compile)
-    compiled = pipeline_losses(tiny_llama, tmp_path / "compiled", "default")
+    compiled = pipeline_losses(tiny_llama, tmp_path / "compiled", "default", f"model.target_compile_layers={layers}")
     assert compiles == [("dflash-target0", {"dynamic": False, "mode": "default"})]
+    assert ("compile default, each layer, CUDA graph off" in (tmp_path / "compiled" / "run.log").read_text()) == layers
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
 
 
@@ -125,3 +134,6 @@ def test_target_compile_config_errors_are_one_sentence(tiny_llama, tmp_path, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert "set model.target_compile=default and model.target_graphs=true" in err[0]
+    with pytest.raises(ConfigError, match="model.target_compile_layers=true compiles the target's layers in model."
+                                          "target_compile's mode, which is eager: set model.target_compile=default"):
+        load_config(None, ["model.target_compile_layers=true"])

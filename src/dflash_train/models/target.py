@@ -256,6 +256,16 @@ class TargetModel(nn.Module):
         self._taps: dict[int, torch.Tensor] = {}
         self._hooks = [base.layers[i].register_forward_hook(self._make_hook(i)) for i in self.layer_ids]
 
+    def compile_layers(self, **compile_kwargs) -> None:
+        """Compile each decoder layer's forward on its own (model.target_compile_layers), in place and once. The
+        layers share one code object and their weights are inputs, so one compiled graph serves every layer; the
+        taps' hooks stay outside it (a hook of its own per tapped layer would make each of them a graph of its own)."""
+        if getattr(self, "_layers_compiled", False):
+            return
+        for layer in self.hf.model.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=False, **compile_kwargs)
+        self._layers_compiled = True
+
     def _make_hook(self, i: int):
         def hook(_module, _inputs, output):
             self._taps[i] = output[0] if isinstance(output, tuple) else output
@@ -491,7 +501,8 @@ class FeatureForward:
     (with graphs, the capture's warm-up at construction), in the calling thread (the target worker's setup), under
     the process's compile policy (training/cudagraphs.py, applied at start-up). backend: a stand-in for inductor
     (tests and the CPU smoke benchmark: aot_eager traces the same graph without generating code); torch.compile
-    takes a mode or a backend, not both.
+    takes a mode or a backend, not both. layers (model.target_compile_layers): each decoder layer compiled instead
+    of the whole forward (TargetModel.compile_layers), the mask and the rest running eager.
 
     graphs: rows are copied into static buffers that the captured forward reads, so a row costs one launch and three
     small copies instead of a Python forward through every layer; each call returns a copy of the graph's static
@@ -501,12 +512,16 @@ class FeatureForward:
     forward serves instead."""
 
     def __init__(self, target: TargetModel, T: int, compile: str = "eager", graphs: bool = False,
-                 backend: str | None = None):
+                 backend: str | None = None, layers: bool = False):
         if compile not in TARGET_COMPILE:
             raise ValueError(f"compile must be one of {TARGET_COMPILE}, got {compile!r}")
         forward = target.features
         if compile != "eager":
-            forward = torch.compile(forward, dynamic=False, **({"backend": backend} if backend else {"mode": compile}))
+            how = {"backend": backend} if backend else {"mode": compile}
+            if layers:  # model.target_compile_layers: each layer compiled, one graph for all; the rest eager
+                target.compile_layers(**how)
+            else:
+                forward = torch.compile(forward, dynamic=False, **how)
         dev = target.device
         self.T = T
         self.ids = torch.zeros(T, dtype=torch.long, device=dev)

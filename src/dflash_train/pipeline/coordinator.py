@@ -158,7 +158,9 @@ class _Pipeline:
         in_flight = threading.Semaphore(2 * depth + len(targets) + 1)  # bounds the prefetcher's reorder buffer
         warm = dummy_batch(cfg.train.token_budget, cfg.train.num_anchors)
         self.targets = [TargetWorker(i, c, t, d, batches, feats, warm, graphs=cfg.model.target_graphs,
-                                     compile=cfg.model.target_compile, row_of=self.run_setup.schedule.row_of,
+                                     compile=cfg.model.target_compile,
+                                     compile_layers=cfg.model.target_compile_layers,
+                                     row_of=self.run_setup.schedule.row_of,
                                      feature_cache_bytes=cfg.train.feature_cache_gb * 2**30,
                                      feature_cache_host_bytes=cfg.train.feature_cache_host_gb * 2**30)
                         for i, (t, d) in enumerate(zip(targets, target_devices))]

@@ -147,7 +147,8 @@ def main(argv: list[str]) -> int:
                 step.evaluate(b, feats)
             del step, drafter, feats  # room for the target's part
         elif part == "target":
-            forward = FeatureForward(target, t.token_budget, cfg.model.target_compile, cfg.model.target_graphs)
+            forward = FeatureForward(target, t.token_budget, cfg.model.target_compile, cfg.model.target_graphs,
+                                     layers=cfg.model.target_compile_layers)
             b = batch.to(target.device)
             forward(b.input_ids, b.position_ids, b.doc_ids)
         log.info(f"precompile: {part} compiled in {time.perf_counter() - t0:.1f} s")

@@ -34,14 +34,15 @@ class FeatureItem:
 class TargetWorker(Worker):
     def __init__(self, index: int, control: RunControl, target: TargetModel,
                  device: torch.device, inbox: queue.Queue, out: queue.Queue, warmup: TrainBatch,
-                 graphs: bool = False, compile: str = "eager", row_of=lambda index: index,
-                 feature_cache_bytes: float = 0, feature_cache_host_bytes: float = 0):
+                 graphs: bool = False, compile: str = "eager", compile_layers: bool = False,
+                 row_of=lambda index: index, feature_cache_bytes: float = 0, feature_cache_host_bytes: float = 0):
         super().__init__(f"target{index}", control, device)
         # a row's batches share one forward (train.steps_per_row); kept rows every epoch's (train.feature_cache_gb)
         self.rows = RowFeatures(row_of, feature_cache_bytes, self.name, feature_cache_host_bytes)
         self.target, self.inbox, self.out, self.warmup = target, inbox, out, warmup
         self.graphs = graphs  # model.target_graphs: one CUDA graph per row instead of a Python forward
         self.compile = compile  # model.target_compile: eager | a torch.compile mode
+        self.compile_layers = compile_layers  # model.target_compile_layers: each layer compiled, not the forward
         self.stream = new_stream(device)  # its own stream: overlaps a drafter sharing the GPU
         self.forward: FeatureForward | None = None  # built in setup(), in this thread
 
@@ -52,12 +53,14 @@ class TargetWorker(Worker):
     def setup(self) -> None:
         # Built, captured and compiled here: in this thread, on this worker's stream and device.
         t0 = time.perf_counter()
-        self.forward = FeatureForward(self.target, self.warmup.input_ids.shape[0], self.compile, self.graphs)
+        self.forward = FeatureForward(self.target, self.warmup.input_ids.shape[0], self.compile, self.graphs,
+                                      layers=self.compile_layers)
         # One forward of the real shapes: compiling and lazy CUDA/library initialisation happen here, not in the
         # first step (and before the recompile guard is armed).
         self._features(self.warmup)
-        log.info(f"{self.name}: feature forward ready in {time.perf_counter() - t0:.1f} s (compile {self.compile}, "
-                 f"CUDA graph {'on' if self.graphs else 'off'})")
+        scope = ", each layer" if self.compile_layers and self.compile != "eager" else ""
+        log.info(f"{self.name}: feature forward ready in {time.perf_counter() - t0:.1f} s (compile {self.compile}"
+                 f"{scope}, CUDA graph {'on' if self.graphs else 'off'})")
 
     def loop(self) -> None:
         n = 0
