@@ -52,6 +52,37 @@ def test_category_must_be_a_string(tmp_path):
         read_prompt_file(tmp_path / "missing.jsonl")
 
 
+def test_question_records_are_one_user_turn(tmp_path):
+    """Prompt sets as other benchmarks write them: MT-Bench's "turns" (the first: the second needs the model's own
+    answer), Alpaca's "instruction" + "input", Dolly's "context", a bare "question"; integer ids kept as strings."""
+    f = tmp_path / "q.jsonl"
+    records = [{"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now another one."]},
+               {"instruction": "Summarise this:", "input": "A long text.", "output": "ignored"},
+               {"instruction": "Name three rivers.", "input": ""},
+               {"instruction": "Answer from the text:", "context": "Rivers flow.", "response": "ignored"},
+               {"question": "Why is the sky blue?", "id": "q4"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in records))
+    prompts = read_prompt_file(f)
+    assert [p.kind for p in prompts] == ["messages"] * 5
+    assert [p.value[0]["content"] for p in prompts] == ["Write a haiku.", "Summarise this:\n\nA long text.",
+                                                         "Name three rivers.", "Answer from the text:\n\nRivers flow.",
+                                                         "Why is the sky blue?"]
+    assert all(p.value == [{"role": "user", "content": p.value[0]["content"]}] for p in prompts)
+    assert [p.id for p in prompts] == ["81", None, None, None, "q4"] and prompts[0].category == "writing"
+    from tiny_chat import make_byte_tokenizer
+
+    tok = make_byte_tokenizer()
+    ids = tokenize_prompts(prompts, tok)  # rendered with the chat template, as chats are
+    tail = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert all(x[-len(tail):] == tail for x in ids)
+    for bad, words in (({"turns": []}, '"turns" must start with the question'),
+                       ({"question": "hi", "id": 1.5}, '"id" must be a string or an integer'),
+                       ({"answer": "no question here"}, "is not a prompt record")):
+        f.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(PromptError, match=words):
+            read_prompt_file(f)
+
+
 def test_eval_reports_tau_per_category(tiny_llama):
     import torch
 

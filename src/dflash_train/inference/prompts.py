@@ -3,10 +3,13 @@
 One record per line, any of:
   {"messages": [{"role": ..., "content": ...}, ...]}   OpenAI-style chat
   {"conversations": [{"from": ..., "value": ...}, ...]}  ShareGPT-style chat
+  {"turns": ["question", ...]}                           MT-Bench-style questions: the first turn, as a chat
+  {"instruction": "...", "input": "..."}                  Alpaca-style ("context" for Dolly's): one user turn
+  {"question": "text"}                                    one user turn
   {"prompt": "text"}  or  "text"                          raw text, tokenized as is (with the tokenizer's BOS)
   {"input_ids": [1, 2, 3]}                                already tokenized (needs no tokenizer)
-A record may also carry "id" and "category" (strings); the eval report averages tau per category when prompts have
-one. `yardstick` (the bundled set, YARDSTICK_PATH) names 80 first-turn prompts written for this project, ten each in
+A record may also carry "id" (or "question_id"; a string or an integer) and "category" (a string); the eval report
+averages tau per category when prompts have one. `yardstick` (the bundled set, YARDSTICK_PATH) names 80 first-turn prompts written for this project, ten each in
 writing, roleplay, reasoning, math, coding, extraction, STEM and humanities: a source other than the training data.
 A chat prompt is every turn before the first assistant answer, rendered with the target's chat template and
 add_generation_prompt=True, so the model answers the first user turn (later turns are dropped).
@@ -23,8 +26,8 @@ from ..errors import UserError
 
 log = logging.getLogger("dflash_train")
 
-FORMAT_HINT = ('write one JSON record per line: {"messages": [...]}, {"conversations": [...]}, {"prompt": "..."}, '
-               '"plain text" or {"input_ids": [...]}')
+FORMAT_HINT = ('write one JSON record per line: {"messages": [...]}, {"conversations": [...]}, {"turns": ["..."]}, '
+               '{"instruction": "..."}, {"question": "..."}, {"prompt": "..."}, "plain text" or {"input_ids": [...]}')
 
 # Used only when the held-out ShareGPT split cannot be loaded (package missing, data module unavailable).
 FALLBACK_PROMPTS = [
@@ -88,21 +91,40 @@ def parse_record(record, where: str) -> Prompt:
     if isinstance(record, str):
         return Prompt("text", record)
     if isinstance(record, dict):
-        tags = {}
-        for key in ("category", "id"):
-            value = record.get(key)
-            if value is not None and not isinstance(value, str):
-                raise PromptError(f"{where}: \"{key}\" must be a string, not {type(value).__name__}.")
-            tags[key] = value
+        category = record.get("category")
+        if category is not None and not isinstance(category, str):
+            raise PromptError(f"{where}: \"category\" must be a string, not {type(category).__name__}.")
+        key = "id" if "id" in record else "question_id"
+        id_ = record.get(key)
+        if id_ is not None and (isinstance(id_, bool) or not isinstance(id_, (str, int))):
+            raise PromptError(f"{where}: \"{key}\" must be a string or an integer, not {type(id_).__name__}.")
+        tags = {"category": category, "id": None if id_ is None else str(id_)}
         turns = record.get("messages", record.get("conversations"))
         if isinstance(turns, list):
             return Prompt("messages", chat_prompt(turns, where), **tags)
+        if question := user_question(record, where):
+            return Prompt("messages", [{"role": "user", "content": question}], **tags)
         if isinstance(record.get("prompt"), str):
             return Prompt("text", record["prompt"], **tags)
         ids = record.get("input_ids")
         if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return Prompt("ids", ids, **tags)
     raise PromptError(f"{where} is not a prompt record; {FORMAT_HINT}.")
+
+
+def user_question(record: dict, where: str) -> str | None:
+    """The one user turn of a question record (module docstring: "turns", "instruction", "question"), else None."""
+    turns = record.get("turns")
+    if isinstance(turns, list):  # MT-Bench: the later turns need the model's answers to the earlier ones
+        if not turns or not isinstance(turns[0], str) or not turns[0].strip():
+            raise PromptError(f"{where}: \"turns\" must start with the question's text (a non-empty string).")
+        return turns[0]
+    if isinstance(record.get("instruction"), str) and record["instruction"].strip():
+        extra = record.get("input") or record.get("context")
+        return record["instruction"] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
+    if isinstance(record.get("question"), str) and record["question"].strip():
+        return record["question"]
+    return None
 
 
 def chat_prompt(turns: list, where: str) -> list[dict]:
