@@ -54,7 +54,8 @@ def test_category_must_be_a_string(tmp_path):
 
 def test_question_records_are_one_user_turn(tmp_path):
     """Prompt sets as other benchmarks write them: MT-Bench's "turns" (the first: the second needs the model's own
-    answer), Alpaca's "instruction" + "input", Dolly's "context", a bare "question"; integer ids kept as strings."""
+    answer), Alpaca's "instruction" + "input", Dolly's "context", a bare "question"; integer ids kept as strings; in
+    JSON lines or as one JSON list."""
     f = tmp_path / "q.jsonl"
     records = [{"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now another one."]},
                {"instruction": "Summarise this:", "input": "A long text.", "output": "ignored"},
@@ -75,6 +76,15 @@ def test_question_records_are_one_user_turn(tmp_path):
     ids = tokenize_prompts(prompts, tok)  # rendered with the chat template, as chats are
     tail = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert all(x[-len(tail):] == tail for x in ids)
+    listed = tmp_path / "q.json"  # the same records as one JSON list (Alpaca's own files are such lists)
+    listed.write_text(json.dumps(records, indent=2))
+    assert read_prompt_file(listed) == prompts
+    listed.write_text(json.dumps(records)[:-1])
+    with pytest.raises(PromptError, match="is not valid JSON"):
+        read_prompt_file(listed)
+    listed.write_text(json.dumps([records[0], {"answer": "no question"}]))
+    with pytest.raises(PromptError, match="q.json record 1 is not a prompt record"):
+        read_prompt_file(listed)
     for bad, words in (({"turns": []}, '"turns" must start with the question'),
                        ({"question": "hi", "id": 1.5}, '"id" must be a string or an integer'),
                        ({"answer": "no question here"}, "is not a prompt record")):

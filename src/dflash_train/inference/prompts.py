@@ -1,6 +1,6 @@
 """Evaluation prompts: a JSONL file, or held-out ShareGPT conversations by default -> token ids.
 
-One record per line, any of:
+One record per line (or one JSON list of them, as a .json file holds), any of:
   {"messages": [{"role": ..., "content": ...}, ...]}   OpenAI-style chat
   {"conversations": [{"from": ..., "value": ...}, ...]}  ShareGPT-style chat
   {"turns": ["question", ...]}                           MT-Bench-style questions: the first turn, as a chat
@@ -76,6 +76,9 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            if not prompts and line.lstrip().startswith("["):  # a JSON list of records (.json), not JSON lines
+                prompts = json_list_prompts(line + f.read(), p)
+                break
             where = f"{p}:{lineno}"
             try:
                 record = json.loads(line)
@@ -85,6 +88,18 @@ def read_prompt_file(path: str | Path) -> list[Prompt]:
     if not prompts:
         raise PromptError(f"Prompt file {str(p)!r} has no prompts; {FORMAT_HINT}.")
     return prompts
+
+
+def json_list_prompts(text: str, path: Path) -> list[Prompt]:
+    """A whole file holding one JSON list of prompt records -> prompts (errors name the record's index)."""
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PromptError(f"{path} is not valid JSON (line {e.lineno}: {e.msg}); {FORMAT_HINT}, or one JSON list "
+                          "of such records.") from None
+    if not isinstance(records, list):
+        raise PromptError(f"{path} holds JSON that is not a list of records; {FORMAT_HINT}.")
+    return [parse_record(record, f"{path} record {i}") for i, record in enumerate(records)]
 
 
 def parse_record(record, where: str) -> Prompt:
