@@ -66,8 +66,11 @@ def test_a_heap_left_to_the_caller_stays_frozen_and_uncollected():
     try:
         with frozen_heap():
             assert ref() is not None, "frozen_heap collected the caller's frozen heap"
-            assert gc.get_freeze_count() == frozen, "frozen_heap froze on top of the caller's policy"
-        assert gc.get_freeze_count() == frozen, "frozen_heap undid the caller's freeze"
+            # No more frozen objects than the caller froze (some may die meanwhile: another thread can drop the
+            # last reference to an object frozen with the rest, which leaves the permanent generation)
+            assert gc.get_freeze_count() <= frozen, "frozen_heap froze on top of the caller's policy"
+        gc.collect()
+        assert ref() is not None, "frozen_heap undid the caller's freeze"  # unfrozen, the dead cycle is collected
     finally:
         leave_gc_to_caller(False)
 

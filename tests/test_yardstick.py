@@ -93,6 +93,30 @@ def test_question_records_are_one_user_turn(tmp_path):
             read_prompt_file(f)
 
 
+def test_a_prompt_is_a_user_turn_and_text_is_raw(tmp_path):
+    """{"prompt": ...} and a bare string are requests: rendered as a user turn with the chat template, as the DFlash
+    authors' benchmark renders its prompts (a chat drafter measured on raw continuations would read low); without a
+    chat template, raw. {"text": ...} is always the raw text, for a continuation."""
+    from tiny_chat import make_byte_tokenizer
+
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in ({"prompt": "Hi there"}, "Hi there", {"text": "Hi there"},
+                                                    {"messages": [{"role": "user", "content": "Hi there"}]})))
+    prompts = read_prompt_file(f)
+    assert [p.kind for p in prompts] == ["request", "request", "text", "messages"]
+    tok = make_byte_tokenizer()
+    request, bare, raw, chat = tokenize_prompts(prompts, tok)
+    assert request == bare == chat != raw
+    assert raw == tok("Hi there")["input_ids"]
+
+    def no_template(text, **kw):  # the same tokenizer, without its chat template
+        return tok(text, **kw)
+    no_template.chat_template = None
+    assert tokenize_prompts(prompts[:3], no_template) == [raw, raw, raw]
+    with pytest.raises(PromptError, match="no chat template"):
+        tokenize_prompts(prompts[3:], no_template)
+
+
 def test_eval_reports_tau_per_category(tiny_llama):
     import torch
 

@@ -6,7 +6,11 @@ One record per line (or one JSON list of them, as a .json file holds), any of:
   {"turns": ["question", ...]}                           MT-Bench-style questions: the first turn, as a chat
   {"instruction": "...", "input": "..."}                  Alpaca-style ("context" for Dolly's): one user turn
   {"question": "text"}                                    one user turn
-  {"prompt": "text"}  or  "text"                          raw text, tokenized as is (with the tokenizer's BOS)
+  {"prompt": "text"}  or  "text"                          one user turn (raw text where the tokenizer has no chat
+                                                          template), as the DFlash authors' benchmark renders its
+                                                          prompts
+  {"text": "text"}                                        raw text, tokenized as is (with the tokenizer's BOS): a
+                                                          continuation, not a chat
   {"input_ids": [1, 2, 3]}                                already tokenized (needs no tokenizer)
 A record may also carry "id" (or "question_id"; a string or an integer) and "category" (a string); the eval report
 averages tau per category when prompts have one. `yardstick` (the bundled set, YARDSTICK_PATH) names 80 first-turn prompts written for this project, ten each in
@@ -27,7 +31,8 @@ from ..errors import UserError
 log = logging.getLogger("dflash_train")
 
 FORMAT_HINT = ('write one JSON record per line: {"messages": [...]}, {"conversations": [...]}, {"turns": ["..."]}, '
-               '{"instruction": "..."}, {"question": "..."}, {"prompt": "..."}, "plain text" or {"input_ids": [...]}')
+               '{"instruction": "..."}, {"question": "..."}, {"prompt": "..."}, "plain text", {"text": "..."} (raw) '
+               'or {"input_ids": [...]}')
 
 # Used only when the held-out ShareGPT split cannot be loaded (package missing, data module unavailable).
 FALLBACK_PROMPTS = [
@@ -52,7 +57,7 @@ class PromptError(UserError):
 
 @dataclass
 class Prompt:
-    kind: str        # "messages" | "text" | "ids"
+    kind: str        # "messages" | "request" (a user turn's text) | "text" (raw) | "ids"
     value: object    # list[dict] | str | list[int]
     category: str | None = None   # e.g. "math": the report's per-category tau
     id: str | None = None
@@ -104,7 +109,7 @@ def json_list_prompts(text: str, path: Path) -> list[Prompt]:
 
 def parse_record(record, where: str) -> Prompt:
     if isinstance(record, str):
-        return Prompt("text", record)
+        return Prompt("request", record)
     if isinstance(record, dict):
         category = record.get("category")
         if category is not None and not isinstance(category, str):
@@ -120,7 +125,9 @@ def parse_record(record, where: str) -> Prompt:
         if question := user_question(record, where):
             return Prompt("messages", [{"role": "user", "content": question}], **tags)
         if isinstance(record.get("prompt"), str):
-            return Prompt("text", record["prompt"], **tags)
+            return Prompt("request", record["prompt"], **tags)
+        if isinstance(record.get("text"), str):
+            return Prompt("text", record["text"], **tags)
         ids = record.get("input_ids")
         if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             return Prompt("ids", ids, **tags)
@@ -216,13 +223,14 @@ def tokenize_prompts(prompts: list[Prompt], tokenizer) -> list[list[int]]:
     for p in prompts:
         if p.kind == "ids":
             out.append(list(p.value))
-        elif p.kind == "text":
+        elif p.kind == "text" or (p.kind == "request" and not getattr(tokenizer, "chat_template", None)):
             out.append(list(tokenizer(p.value)["input_ids"]))
         else:
             if not getattr(tokenizer, "chat_template", None):
                 raise PromptError("The target's tokenizer has no chat template, so chat prompts cannot be rendered; "
-                                  'use {"prompt": "..."} records instead.')
-            text = tokenizer.apply_chat_template(p.value, tokenize=False, add_generation_prompt=True)
+                                  'use {"prompt": "..."} or {"text": "..."} records instead.')
+            messages = [{"role": "user", "content": p.value}] if p.kind == "request" else p.value
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out
 
