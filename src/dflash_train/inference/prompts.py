@@ -13,8 +13,9 @@ One record per line (or one JSON list of them, as a .json file holds), any of:
                                                           continuation, not a chat
   {"input_ids": [1, 2, 3]}                                already tokenized (needs no tokenizer)
 A record may also carry "id" (or "question_id"; a string or an integer) and "category" (a string); the eval report
-averages tau per category when prompts have one. `yardstick` (the bundled set, YARDSTICK_PATH) names 80 first-turn prompts written for this project, ten each in
-writing, roleplay, reasoning, math, coding, extraction, STEM and humanities: a source other than the training data.
+averages tau per category when prompts have one. `yardstick` (the bundled set, YARDSTICK_PATH) names 80 first-turn
+prompts written for this project, ten each in writing, roleplay, reasoning, math, coding, extraction, STEM and
+humanities: a source other than the training data.
 A chat prompt is every turn before the first assistant answer, rendered with the target's chat template and
 add_generation_prompt=True, so the model answers the first user turn (later turns are dropped).
 """

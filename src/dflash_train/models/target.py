@@ -255,12 +255,13 @@ class TargetModel(nn.Module):
             base.layers = nn.ModuleList(list(layers)[: max(layer_ids) + 1])
         self._taps: dict[int, torch.Tensor] = {}
         self._hooks = [base.layers[i].register_forward_hook(self._make_hook(i)) for i in self.layer_ids]
+        self._layers_compiled = False  # compile_layers() done
 
     def compile_layers(self, **compile_kwargs) -> None:
         """Compile each decoder layer's forward on its own (model.target_compile_layers), in place and once. The
         layers share one code object and their weights are inputs, so one compiled graph serves every layer; the
         taps' hooks stay outside it (a hook of its own per tapped layer would make each of them a graph of its own)."""
-        if getattr(self, "_layers_compiled", False):
+        if self._layers_compiled:
             return
         for layer in self.hf.model.layers:
             layer.forward = torch.compile(layer.forward, dynamic=False, **compile_kwargs)

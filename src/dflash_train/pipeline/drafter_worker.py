@@ -3,7 +3,8 @@
 Per step: wait for the batch on its device -> DrafterStep (compiled fwd + bwd), for train.accumulate batches in a
 row, their gradients summed then scaled to their mean -> average grads with the other replicas -> clip -> AdamW ->
 schedule. Replicas start from the same weights and optimizer state and see the same averaged gradients, so they
-stay bit-identical; a per-step weight checksum lets tests (and the end of the run) prove it. Replica 0 also reports: log lines and checkpoints happen on its thread, between two steps.
+stay bit-identical; a per-step weight checksum lets tests (and the end of the run) prove it. Replica 0 also
+reports: log lines and checkpoints happen on its thread, between two steps.
 """
 
 from __future__ import annotations
