@@ -17,6 +17,8 @@
 #                 (COMPILE_SETS, default the kernel-option sets of benchmarks/gpu_flex_compile.py; its sets step and
 #                 step_sdpa compile the whole training step instead; COMPILE_SET_S seconds at most a set, COMPILE_S
 #                 for all), each kernel's compile timed
+#   check_target  the compiled target forward against eager per compile / graph setting, each-layer compile included
+#                 (benchmarks/gpu_target_compile_check.py; no staging needed)
 #   profile_drafter  the demo's drafter step alone (benchmarks/gpu_profile.py drafter, v1): ms a step with CUDA graphs
 #                    and without, the compiled step's top kernels (PROFILE_MODES="reduce-overhead eager": eager's)
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
@@ -163,6 +165,14 @@ check_compile() {
   # `| tail -60` that had not ended. The probe prints only the kernels that took >= 1 s, so the output stays short.
   timeout ${COMPILE_S:-480} python3 benchmarks/gpu_flex_compile.py ${COMPILE_SETS:-} 2>&1 |
     grep --line-buffered -v -E "it/s\]|s/it\]"
+}
+
+# The pipeline's compiled target forward on the GPU (benchmarks/gpu_target_compile_check.py): each compile and CUDA
+# graph setting, model.target_compile_layers included, against eager, in a thread named like the target worker.
+check_target() {
+  banner "the compiled target forward: against eager, no recompile across layouts, per setting"
+  timeout ${CHECK_TARGET_S:-300} python3 benchmarks/gpu_target_compile_check.py 2>&1 |
+    grep --line-buffered -v -E "it/s\]|s/it\]|^Autotune Choices|^\{\"num_choices|^AUTOTUNE|^strides:|^dtypes:|^  triton_|^SingleProcess"
 }
 
 profile_drafter() {

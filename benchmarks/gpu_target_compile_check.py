@@ -4,7 +4,8 @@ is the CPU half.)
 
 A small random Qwen3 (6 layers, H=256) on rows of 512 tokens with four document layouts, for fp32 and bf16, sdpa and
 flex, and each of: eager + CUDA graph, compile default, compile default + CUDA graph; then max-autotune + CUDA graph
-(flex, bf16). Each case runs in a thread named like the pipeline's target worker, under the training's compile policy,
+(flex, bf16), and compile default + CUDA graph with each decoder layer compiled (model.target_compile_layers; bf16,
+sdpa and flex). Each case runs in a thread named like the pipeline's target worker, under the training's compile policy,
 and prints: the largest |compiled - eager| over the layouts, the frames dynamo compiled on the first row and after it
 (after it must be 0; recompiling is an error there), whether a returned tensor survives the next row, and the seconds
 to build and run the first row.
@@ -45,7 +46,8 @@ def packed(lengths, seed: int) -> list[torch.Tensor]:
     return [x.cuda() for x in (row.input_ids, row.position_ids, row.doc_ids)]
 
 
-def check(path: str, rows, dtype: torch.dtype, attention: str, compile: str, graphs: bool) -> dict:
+def check(path: str, rows, dtype: torch.dtype, attention: str, compile: str, graphs: bool, layers: bool = False
+          ) -> dict:
     target = load_target(path, [1, 3], device="cuda", dtype=dtype, attention=attention)
     eager = [target.features(*r) for r in rows]
     out: dict = {}
@@ -53,7 +55,7 @@ def check(path: str, rows, dtype: torch.dtype, attention: str, compile: str, gra
     def work():  # what TargetWorker.setup() and loop() do, checked on the way
         try:
             t0, f0 = time.perf_counter(), counters["frames"]["total"]
-            forward = FeatureForward(target, T, compile, graphs)
+            forward = FeatureForward(target, T, compile, graphs, layers=layers)
             got = [forward(*rows[0])]
             torch.cuda.synchronize()
             out["first_row_s"] = round(time.perf_counter() - t0, 1)
@@ -79,16 +81,19 @@ def main() -> None:
     configure_cudagraphs()  # the training's compile policy, as train_pipeline applies it at start-up
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
     rows = [packed(lens, seed=i) for i, lens in enumerate(LAYOUTS)]
-    cases = [(dtype, attention, compile, graphs) for dtype in (torch.float32, torch.bfloat16)
+    cases = [(dtype, attention, compile, graphs, False) for dtype in (torch.float32, torch.bfloat16)
              for attention in ("sdpa", "flex")
              for compile, graphs in (("eager", True), ("default", False), ("default", True))]
-    cases.append((torch.bfloat16, "flex", "max-autotune-no-cudagraphs", True))
+    cases.append((torch.bfloat16, "flex", "max-autotune-no-cudagraphs", True, False))
+    cases += [(torch.bfloat16, attention, "default", True, True) for attention in ("sdpa", "flex")]
     with tempfile.TemporaryDirectory() as tmp:
         path = save_tiny_qwen3(tmp)
-        for dtype, attention, compile, graphs in cases:
+        for dtype, attention, compile, graphs, layers in cases:
             torch._dynamo.reset()  # each case compiles from an empty cache, as a fresh run would
-            result = check(path, rows, dtype, attention, compile, graphs)
-            print(f"{str(dtype):15} {attention:5} compile={compile:27} graphs={graphs!s:5} {result}", flush=True)
+            result = check(path, rows, dtype, attention, compile, graphs, layers)
+            scope = "each layer" if layers else "forward"
+            print(f"{str(dtype):15} {attention:5} compile={compile:27} ({scope:10}) graphs={graphs!s:5} {result}",
+                  flush=True)
 
 
 if __name__ == "__main__":
