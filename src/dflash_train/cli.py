@@ -184,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="speculative decoding with a drafter: acceptance length, speedup, lossless")
     e.add_argument("--drafter", required=True, help="drafter directory (config.json + model.safetensors)")
     e.add_argument("--target", default=None, help="target directory or .gguf (default: embedded SmolLM2)")
-    e.add_argument("--prompts", default=None, help="JSONL of chat turns or plain prompts, or yardstick (the bundled 80-prompt set; default: held-out ShareGPT)")
+    e.add_argument("--prompts", default=None,
+                   help="a .jsonl file (or a .json list) of chats, requests (prompt, MT-Bench turns, instruction, "
+                        "question: each a user turn) or raw text ({\"text\": ...}); yardstick for the bundled "
+                        "80-prompt set; default: held-out ShareGPT")
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--block-size", type=int, default=None, help="default: the drafter's block_size")
     e.add_argument("--temperature", type=float, default=0.0)
