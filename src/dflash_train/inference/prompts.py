@@ -221,13 +221,14 @@ def needs_tokenizer(prompts: list[Prompt] | None) -> bool:
 
 def tokenize_prompts(prompts: list[Prompt], tokenizer) -> list[list[int]]:
     out = []
+    templated = bool(getattr(tokenizer, "chat_template", None))
     for p in prompts:
         if p.kind == "ids":
             out.append(list(p.value))
-        elif p.kind == "text" or (p.kind == "request" and not getattr(tokenizer, "chat_template", None)):
+        elif p.kind == "text" or (p.kind == "request" and not templated):
             out.append(list(tokenizer(p.value)["input_ids"]))
         else:
-            if not getattr(tokenizer, "chat_template", None):
+            if not templated:
                 raise PromptError("The target's tokenizer has no chat template, so chat prompts cannot be rendered; "
                                   'use {"prompt": "..."} or {"text": "..."} records instead.')
             messages = [{"role": "user", "content": p.value}] if p.kind == "request" else p.value

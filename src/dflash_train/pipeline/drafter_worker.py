@@ -1,8 +1,8 @@
 """Stage 4, a drafter worker: one thread per drafter device, each holding a full replica of the drafter.
 
 Per step: wait for the batch on its device -> DrafterStep (compiled fwd + bwd), for train.accumulate batches in a
-row, their gradients summed then scaled to their mean -> average grads with the other replicas -> clip -> AdamW ->
-schedule. Replicas start from the same weights and optimizer state and see the same averaged gradients, so they
+row, their gradients summed -> average grads with the other replicas -> the rows' mean -> clip -> AdamW ->
+schedule (training/optim.Updater). Replicas start from the same weights and optimizer state and see the same averaged gradients, so they
 stay bit-identical; a per-step weight checksum lets tests (and the end of the run) prove it. Replica 0 also
 reports: log lines and checkpoints happen on its thread, between two steps.
 """
@@ -106,7 +106,8 @@ class DrafterWorker(Worker):
             # deepcopy: on CPU load_state_dict keeps the given tensors, and replicas must not share Adam moments
             optimizer.load_state_dict(copy.deepcopy(s.train_state["optimizer"]))
             scheduler.load_state_dict(s.train_state["scheduler"])
-        update = Updater(params, optimizer, scheduler, cfg.grad_clip, cfg.nonfinite, announce=self.replica == 0,
+        update = Updater(params, optimizer, scheduler, cfg.grad_clip, cfg.nonfinite, rows=cfg.accumulate,
+                         announce=self.replica == 0,
                          where=" on every replica", track_norms=self.replica == 0)
         # Its own tag -> its own code object -> its own compile cache and CUDA graphs (see training/step.py).
         step_fn = DrafterStep(drafter, s.embed_w, s.head_w, cfg, self.device, tag=str(self.replica))
@@ -157,8 +158,6 @@ class DrafterWorker(Worker):
                 if fault and row == rows - 1:  # injected nan/inf: this replica's loss and gradients
                     poison_(fault, metrics["loss"], *(p.grad for p in st.params))
                 self.window.add(metrics)
-            if rows > 1:  # the mean of the rows' gradients, as the replicas' are averaged
-                torch._foreach_mul_([p.grad for p in st.params], 1.0 / rows)
             log_step = s.is_log_step(step + 1)
             metrics = s.gradsync.all_reduce(self.replica, st.params, self.window.take() if log_step else None,
                                             self.wait_for, self.beat)

@@ -96,7 +96,8 @@ def build_scheduler(optimizer, cfg: TrainConfig, total_steps: int, clock=None) -
 
 
 class Updater:
-    """clip -> AdamW -> schedule -> zero grads: the one update sequence of the trainer and every pipeline replica.
+    """(mean) -> clip -> AdamW -> schedule -> zero grads: the one update sequence of the trainer and every pipeline
+    replica. rows (train.accumulate): the .grad buffers hold the sum over this many rows, scaled to their mean first.
 
     A step whose gradient norm is not finite (a NaN/Inf loss) leaves the weights and optimizer state as they were
     (the schedule still advances, so the LR stays a function of the step); with train.nonfinite=stop it raises
@@ -111,8 +112,9 @@ class Updater:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer, scheduler, grad_clip: float, nonfinite: str,
-                 announce: bool = True, where: str = "", track_norms: bool = True):
+                 announce: bool = True, where: str = "", track_norms: bool = True, rows: int = 1):
         self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
+        self.rows = rows
         self.grad_clip, self.nonfinite = grad_clip, nonfinite
         self.announce, self.where = announce, where  # log a warning per skip; " on every replica" etc.
         on_device = any(g.get("fused") for g in optimizer.param_groups) or getattr(optimizer, "handles_found_inf",
@@ -126,6 +128,8 @@ class Updater:
 
     def __call__(self, step: int) -> None:
         """Update after 1-based training step `step`."""
+        if self.rows > 1:  # the mean over the accumulated rows (the replicas' average, if any, is taken before)
+            torch._foreach_mul_([p.grad for p in self.params], 1.0 / self.rows)
         if self.grad_clip > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         else:

@@ -55,8 +55,9 @@ class RunSetup:
 
 def build_run(cfg: Config, replicas: int = 1, out_dir: Path | None = None,
               regenerate: RegenerateFn | None = None) -> RunSetup:
-    """replicas: drafter replicas over all processes, each training train.accumulate batches a step. out_dir: already made (and locked) by prepare_out_dir, else made and locked here, and unlocked again if the
-    setup fails (on success the caller's hold_run_dir scope unlocks it). regenerate: data.regenerate's step
+    """replicas: drafter replicas over all processes, each training train.accumulate batches a step. out_dir:
+    already made (and locked) by prepare_out_dir, else made and locked here, and unlocked again if the setup fails
+    (on success the caller's hold_run_dir scope unlocks it). regenerate: data.regenerate's step
     (generation.run_data.regenerate_for_run), passed in by the layer that owns generation; needed when
     cfg.data.regenerate is set."""
     if out_dir is None:

@@ -10,8 +10,6 @@ from dataclasses import dataclass, field
 from itertools import chain, islice
 from pathlib import Path
 
-import torch
-
 from ..config import Config
 from ..models.checkpoint import save_drafter
 from ..devices import parse_device, peak_memory_line, resolve_config
@@ -81,7 +79,7 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
                                                 sources=setup.data.heldout_sources, keys=setup.data.heldout_keys),
                           setup.out_dir, cfg.train.eval_every, setup.total_steps, logger)
     step, per_step = start_step, setup.batches_per_step  # batches a step: train.accumulate (one replica)
-    update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite)
+    update = Updater(params, optimizer, scheduler, cfg.train.grad_clip, cfg.train.nonfinite, rows=per_step)
     window = StepWindow()  # the steps since the last log line
     # a row's batches share one target forward (train.steps_per_row), kept rows every epoch's (train.feature_cache_gb)
     rows = RowFeatures(setup.schedule.row_of, cfg.train.feature_cache_gb * 2**30,
@@ -93,12 +91,10 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
             budget.start()  # the clock starts here; this loop compiles inside its first step
             batches = setup.schedule.iter_from(start_step * per_step)
             for head in batches:
-                for batch in chain([head], islice(batches, per_step - 1)):  # train.accumulate rows, summed ...
+                for batch in chain([head], islice(batches, per_step - 1)):  # train.accumulate rows, summed
                     b = batch.to(device)
                     feats = rows(batch.index, lambda: target.features(b.input_ids, b.position_ids, b.doc_ids))
                     window.add(step_fn(b, feats))
-                if per_step > 1:  # ... then their mean, as the pipeline's replicas take it
-                    torch._foreach_mul_([p.grad for p in params], 1.0 / per_step)
                 update(step + 1)
                 step += 1
                 first = step == start_step + 1
