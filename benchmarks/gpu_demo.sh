@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's GPU demo on one H200 (torch 2.11, no network, at most 64 MiB carried and 10 minutes per call),
 # run from the repo root in back-to-back device calls on one warm machine:
-#   stage    carry .gpu/a .gpu/data .gpu/whl: stage the first half of the GGUF, the ShareGPT chats (replies blanked,
+#   stage    carry .gpu/a .gpu/whl, then again with .gpu/data (64 MiB a call): stage the first half of the GGUF, the ShareGPT chats (replies blanked,
 #            written here by `PYTHONPATH=src python3 benchmarks/gpu_data.py`) and the gguf wheel under /tmp
 #   check    stage, then the GPU checks that need no real weights: a tiny pipeline with validation and the measurement
 #            after training (reduce-overhead steps in worker threads, flex target as a CUDA graph), and the
@@ -63,9 +63,15 @@ wait_for() {
 
 stage() {
   banner "staging"
-  mkdir -p $S/data && cp .gpu/a/ggufpart00 $S/
-  gunzip -c .gpu/data/train_chats.jsonl.gz > $S/data/train_chats.jsonl
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
+  # Whatever this call carried: with the tracked tree past ~10 MB, .gpu/a and .gpu/data no longer fit one call's
+  # 64 MiB, so `stage` runs twice (carry .gpu/a .gpu/whl, then .gpu/data).
+  mkdir -p $S/data
+  if [[ -f .gpu/a/ggufpart00 ]]; then cp .gpu/a/ggufpart00 $S/; fi
+  if [[ -f .gpu/data/train_chats.jsonl.gz ]]; then gunzip -c .gpu/data/train_chats.jsonl.gz > $S/data/train_chats.jsonl; fi
+  if compgen -G ".gpu/whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
+  fi
+  ls -la $S $S/data
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 }
 

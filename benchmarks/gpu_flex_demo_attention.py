@@ -1,0 +1,130 @@
+#!/usr/bin/env python3
+"""Where the demo drafter's attention time goes: its flex attention alone at the GPU demo's shape, per mask variant.
+
+The compiled demo step's profile (2026-12-06, H100, docs/gpu-runs/2026-12-06-h100-p/profile_drafter_compiled.log)
+spends 9.8 of its 26.1 ms in flex attention (forward 0.43 ms, backward 0.79 ms per layer, 8 layers), though the
+mask leaves little to compute: ~4 key tiles per query tile with the demo's short documents. This probe times one
+layer's attention, forward + backward, on a row packed like the demo's (documents of ~276 tokens, 1,024 anchors of
+16, SmolLM2's 9 query / 3 K/V heads of 64), compiled as the step compiles it (the BlockMask built in the graph):
+
+  current   training/objective.py's mask as the step uses it
+  bounds    the same mask, its mask_mod reading only per-query bounds: the anchor and its document's first token
+            (anchor - position_ids[anchor], positions restarting per document): no per-key gather of doc_ids
+  nomask    every visited tile taken whole (a wrong mask: the floor for what mask evaluation can cost)
+  tiles64   `current` with 64-wide kernel tiles
+
+  PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py [VARIANT ...]
+
+Prints per variant the time per call (CUDA events, mean of 20 after 3 warm-up calls), the largest difference from
+`current`'s output and gradients, and the mask's tile counts. A probe: its figures go to docs/BENCHMARKS.md with
+this command.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+A, B, T, H, HKV, D = 1024, 16, 8192, 9, 3, 64
+MEAN_DOC = 276        # demo-m: 31.96 M tokens in 115,720 conversations
+TILE = 128
+
+
+def demo_row(seed: int = 0):
+    """doc_ids [T], loss_mask [T]: documents of log-normal length around MEAN_DOC, the first sixth a prompt."""
+    g = torch.Generator().manual_seed(seed)
+    doc_ids, mask, d = [], [], 0
+    while len(doc_ids) < T:
+        n = max(20, int(MEAN_DOC * math.exp(0.7 * torch.randn(1, generator=g).item() - 0.245)))
+        p = max(5, n // 6)
+        doc_ids += [d] * n
+        mask += [False] * p + [True] * (n - p)
+        d += 1
+    return torch.tensor(doc_ids[:T]), torch.tensor(mask[:T])
+
+
+def main(names: list[str]) -> None:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash_train.data.packing import sample_anchors
+    from dflash_train.models.flex import tile_block_mask
+    from dflash_train.training.cudagraphs import configure_cudagraphs
+    from dflash_train.training.objective import FlexMask, flex_block_mask
+
+    configure_cudagraphs()
+    dev = torch.device("cuda")
+    doc_ids, loss_mask = demo_row()
+    anchors, _ = sample_anchors(loss_mask, doc_ids, A, torch.Generator().manual_seed(0))
+    doc_ids, anchors = doc_ids.to(dev), anchors.to(dev)
+    m = flex_block_mask(anchors, doc_ids, B, TILE)
+    pos = torch.arange(T, device=dev)
+    position_ids = pos - torch.where(doc_ids[None, :] == doc_ids[:, None], pos[None, :], T).amin(1)   # [T]
+    print(f"row: {int(doc_ids.max()) + 1} documents, {A} anchors; mask tiles: {int(m.partial.sum())} partial, "
+          f"{int(m.full.sum())} full, of {m.partial.numel()} ({m.partial.shape[0]} query tiles)", flush=True)
+
+    def bounds_mask(anchors, position_ids, partial, full):
+        def mask_mod(b, h, q_idx, kv_idx):
+            blk = q_idx // B
+            anchor = anchors[blk]
+            ctx = (kv_idx >= anchor - position_ids[anchor]) & (kv_idx < anchor)
+            own = (kv_idx >= T + blk * B) & (kv_idx < T + blk * B + B)
+            return ctx | own
+        return tile_block_mask(partial, full, mask_mod, (A * B, T + A * B), TILE)
+
+    def nomask(partial, full):
+        return tile_block_mask(torch.zeros_like(partial), partial | full, lambda b, h, q, k: q >= 0,
+                               (A * B, T + A * B), TILE)
+
+    tiles64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+    variants = {
+        "current": lambda q, k, v: flex_attention(q, k, v, block_mask=FlexMask(anchors, doc_ids, m.partial, m.full,
+                                                                               B, TILE).block_mask(), enable_gqa=True),
+        "bounds": lambda q, k, v: flex_attention(q, k, v, block_mask=bounds_mask(anchors, position_ids, m.partial, m.full),
+                                                 enable_gqa=True),
+        "nomask": lambda q, k, v: flex_attention(q, k, v, block_mask=nomask(m.partial, m.full), enable_gqa=True),
+        "tiles64": lambda q, k, v: flex_attention(q, k, v, block_mask=FlexMask(anchors, doc_ids, m.partial, m.full,
+                                                                               B, TILE).block_mask(), enable_gqa=True,
+                                                  kernel_options=tiles64),
+    }
+    torch.manual_seed(0)
+    q = torch.randn(1, H, A * B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, HKV, T + A * B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(1, HKV, T + A * B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    go = torch.randn(1, H, A * B, D, device=dev, dtype=torch.bfloat16)
+    reference = None
+    for name in names or list(variants):
+        fn = torch.compile(variants[name], dynamic=False, fullgraph=True)
+
+        def call():
+            q.grad = k.grad = v.grad = None
+            out = fn(q, k, v)
+            out.backward(go)
+            return out
+
+        t0 = time.perf_counter()
+        out = call()
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t0
+        for _ in range(3):
+            call()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            call()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / 20
+        out = call()
+        got = [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+        if reference is None and name == "current":
+            reference = got
+        diff = "" if reference is None else " max |diff| vs current (out, dq, dk, dv): " + ", ".join(
+            f"{(a - b).abs().max().item():.2e}" for a, b in zip(got, reference))
+        print(f"{name:8s} fwd + bwd {ms:.3f} ms a layer (first call {first_s:.1f} s){diff}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
