@@ -12,10 +12,12 @@ layer's attention, forward + backward, on a row packed like the demo's (document
             (anchor - position_ids[anchor], positions restarting per document): no per-key gather of doc_ids
   nomask    every visited tile taken whole (a wrong mask: the floor for what mask evaluation can cost)
   tiles64   `current` with 64-wide kernel tiles
+  dense     not this mask: SDPA (flash) over as many query-key pairs, every query against the same keys (as many as
+            `current`'s visited tiles give a query tile): what the hardware does with this much attention work
 
   PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py [VARIANT ...]
 
-Prints per variant the time per call (CUDA events, mean of 20 after 3 warm-up calls), the largest difference from
+Prints per variant the time per call (CUDA events, median of 20 after 3 warm-up calls), the largest difference from
 `current`'s output and gradients, and the mask's tile counts. A probe: its figures go to docs/BENCHMARKS.md with
 this command.
 """
@@ -24,9 +26,11 @@ from __future__ import annotations
 
 import math
 import sys
-import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 A, B, T, H, HKV, D = 1024, 16, 8192, 9, 3, 64
 MEAN_DOC = 276        # demo-m: 31.96 M tokens in 115,720 conversations
@@ -47,6 +51,7 @@ def demo_row(seed: int = 0):
 
 
 def main(names: list[str]) -> None:
+    from harness import time_calls
     from torch.nn.attention.flex_attention import flex_attention
 
     from dflash_train.data.packing import sample_anchors
@@ -89,6 +94,10 @@ def main(names: list[str]) -> None:
                                                                                B, TILE).block_mask(), enable_gqa=True,
                                                   kernel_options=tiles64),
     }
+    visited = int(m.partial.sum() + m.full.sum()) * TILE // m.partial.shape[0]   # keys a query tile visits
+    dense_k = torch.randn(1, H, visited, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dense_v = torch.randn(1, H, visited, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    variants["dense"] = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, dense_k, dense_v)
     torch.manual_seed(0)
     q = torch.randn(1, H, A * B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(1, HKV, T + A * B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -104,24 +113,12 @@ def main(names: list[str]) -> None:
             out.backward(go)
             return out
 
-        t0 = time.perf_counter()
+        first_s, ms = time_calls(lambda i: call(), dev, warmup=3, iters=20)
         out = call()
-        torch.cuda.synchronize()
-        first_s = time.perf_counter() - t0
-        for _ in range(3):
-            call()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(20):
-            call()
-        end.record()
-        torch.cuda.synchronize()
-        ms = start.elapsed_time(end) / 20
-        out = call()
-        got = [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+        got = None if name == "dense" else [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
         if reference is None and name == "current":
             reference = got
-        diff = "" if reference is None else " max |diff| vs current (out, dq, dk, dv): " + ", ".join(
+        diff = "" if reference is None or got is None else " max |diff| vs current (out, dq, dk, dv): " + ", ".join(
             f"{(a - b).abs().max().item():.2e}" for a, b in zip(got, reference))
         print(f"{name:8s} fwd + bwd {ms:.3f} ms a layer (first call {first_s:.1f} s){diff}", flush=True)
 
