@@ -76,10 +76,10 @@ def child(name: str) -> None:
         return whole_step(STEP_SETS[name], compiles)
     options = SETS[name]
 
-    def attention(q, k, v, anchors, doc_ids, partial, full):
+    def attention(q, k, v, anchors, first, partial, full):
         from torch.nn.attention.flex_attention import flex_attention
 
-        mask = FlexMask(anchors, doc_ids, partial, full, B)
+        mask = FlexMask(anchors, first, partial, full, T, B)
         out = flex_attention(q, k, v, block_mask=mask.block_mask(), enable_gqa=True, kernel_options=options or None)
         return out.float().square().mean()
 
@@ -92,7 +92,7 @@ def child(name: str) -> None:
     doc_ids = torch.zeros(T, dtype=torch.long, device=dev)                  # one document a row, as the bench's
     anchors = torch.randperm(T - B, device=dev)[:A].sort().values + 1
     m = flex_block_mask(anchors, doc_ids, B)
-    inputs = (q, k, v, anchors, doc_ids, m.partial, m.full)
+    inputs = (q, k, v, anchors, m.first, m.partial, m.full)
     fn = torch.compile(attention, dynamic=False, fullgraph=True)
 
     def call():

@@ -7,18 +7,20 @@ mask leaves little to compute: ~4 key tiles per query tile with the demo's short
 layer's attention, forward + backward, on a row packed like the demo's (documents of ~276 tokens, 1,024 anchors of
 16, SmolLM2's 9 query / 3 K/V heads of 64), compiled as the step compiles it (the BlockMask built in the graph):
 
-  current   training/objective.py's mask as the step uses it
-  bounds    the same mask, its mask_mod reading only per-query bounds: the anchor and its document's first token
-            (anchor - position_ids[anchor], positions restarting per document): no per-key gather of doc_ids
-  nomask    every visited tile taken whole (a wrong mask: the floor for what mask evaluation can cost)
-  tiles64   `current` with 64-wide kernel tiles
-  dense     not this mask: SDPA (flash) over as many query-key pairs, every query against the same keys (as many as
-            `current`'s visited tiles give a query tile): what the hardware does with this much attention work
+  bounds     training/objective.py's mask as the step uses it since 2026-12-06 (session 27): mask_mod compares each
+             key with its block's bounds (the document's first token, the anchor, the block's own keys)
+  documents  the mask_mod before it: the key's document (a per-key gather of doc_ids) against the anchor's
+  nomask     every visited tile taken whole (a wrong mask: the floor for what mask evaluation can cost)
+  tiles64    `bounds` with 64-wide kernel tiles
+  dense      not this mask: SDPA (flash) over as many query-key pairs, every query against the same keys (as many
+             as the visited tiles give a query tile): what the hardware does with this much attention work
+Each flex variant builds its BlockMask inside the compiled function from the row's anchors and doc_ids, as the
+training step does.
 
   PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py [VARIANT ...]
 
 Prints per variant the time per call (CUDA events, median of 20 after 3 warm-up calls), the largest difference from
-`current`'s output and gradients, and the mask's tile counts. A probe: its figures go to docs/BENCHMARKS.md with
+`bounds`' output and gradients, and the mask's tile counts. A probe: its figures go to docs/BENCHMARKS.md with
 this command.
 """
 
@@ -57,7 +59,7 @@ def main(names: list[str]) -> None:
     from dflash_train.data.packing import sample_anchors
     from dflash_train.models.flex import tile_block_mask
     from dflash_train.training.cudagraphs import configure_cudagraphs
-    from dflash_train.training.objective import FlexMask, flex_block_mask
+    from dflash_train.training.objective import flex_block_mask
 
     configure_cudagraphs()
     dev = torch.device("cuda")
@@ -65,35 +67,32 @@ def main(names: list[str]) -> None:
     anchors, _ = sample_anchors(loss_mask, doc_ids, A, torch.Generator().manual_seed(0))
     doc_ids, anchors = doc_ids.to(dev), anchors.to(dev)
     m = flex_block_mask(anchors, doc_ids, B, TILE)
-    pos = torch.arange(T, device=dev)
-    position_ids = pos - torch.where(doc_ids[None, :] == doc_ids[:, None], pos[None, :], T).amin(1)   # [T]
     print(f"row: {int(doc_ids.max()) + 1} documents, {A} anchors; mask tiles: {int(m.partial.sum())} partial, "
           f"{int(m.full.sum())} full, of {m.partial.numel()} ({m.partial.shape[0]} query tiles)", flush=True)
 
-    def bounds_mask(anchors, position_ids, partial, full):
-        def mask_mod(b, h, q_idx, kv_idx):
-            blk = q_idx // B
-            anchor = anchors[blk]
-            ctx = (kv_idx >= anchor - position_ids[anchor]) & (kv_idx < anchor)
-            own = (kv_idx >= T + blk * B) & (kv_idx < T + blk * B + B)
-            return ctx | own
-        return tile_block_mask(partial, full, mask_mod, (A * B, T + A * B), TILE)
+    def documents_mask(anchors, doc_ids):
+        mask = flex_block_mask(anchors, doc_ids, B, TILE)
 
-    def nomask(partial, full):
-        return tile_block_mask(torch.zeros_like(partial), partial | full, lambda b, h, q, k: q >= 0,
+        def mask_mod(b, h, q_idx, kv_idx):
+            anchor = anchors[(q_idx // B).clamp(max=A - 1)]
+            ctx = (kv_idx < anchor) & (doc_ids[kv_idx.clamp(max=T - 1)] == doc_ids[anchor])
+            own = (kv_idx >= T) & ((kv_idx - T) // B == q_idx // B)
+            return ctx | own
+        return tile_block_mask(mask.partial, mask.full, mask_mod, (A * B, T + A * B), TILE)
+
+    def nomask(anchors, doc_ids):
+        mask = flex_block_mask(anchors, doc_ids, B, TILE)
+        return tile_block_mask(torch.zeros_like(mask.partial), mask.partial | mask.full, lambda b, h, q, k: q >= 0,
                                (A * B, T + A * B), TILE)
 
+    def flex(mask_fn, **options):
+        return lambda q, k, v: flex_attention(q, k, v, block_mask=mask_fn(anchors, doc_ids), enable_gqa=True,
+                                              kernel_options=options or None)
+
     tiles64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
-    variants = {
-        "current": lambda q, k, v: flex_attention(q, k, v, block_mask=FlexMask(anchors, doc_ids, m.partial, m.full,
-                                                                               B, TILE).block_mask(), enable_gqa=True),
-        "bounds": lambda q, k, v: flex_attention(q, k, v, block_mask=bounds_mask(anchors, position_ids, m.partial, m.full),
-                                                 enable_gqa=True),
-        "nomask": lambda q, k, v: flex_attention(q, k, v, block_mask=nomask(m.partial, m.full), enable_gqa=True),
-        "tiles64": lambda q, k, v: flex_attention(q, k, v, block_mask=FlexMask(anchors, doc_ids, m.partial, m.full,
-                                                                               B, TILE).block_mask(), enable_gqa=True,
-                                                  kernel_options=tiles64),
-    }
+    step_mask = lambda anchors, doc_ids: flex_block_mask(anchors, doc_ids, B, TILE).block_mask()  # noqa: E731
+    variants = {"bounds": flex(step_mask), "documents": flex(documents_mask), "nomask": flex(nomask),
+                "tiles64": flex(step_mask, **tiles64)}
     visited = int(m.partial.sum() + m.full.sum()) * TILE // m.partial.shape[0]   # keys a query tile visits
     dense_k = torch.randn(1, H, visited, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dense_v = torch.randn(1, H, visited, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
@@ -116,11 +115,11 @@ def main(names: list[str]) -> None:
         first_s, ms = time_calls(lambda i: call(), dev, warmup=3, iters=20)
         out = call()
         got = None if name == "dense" else [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
-        if reference is None and name == "current":
+        if reference is None and name == "bounds":
             reference = got
-        diff = "" if reference is None or got is None else " max |diff| vs current (out, dq, dk, dv): " + ", ".join(
+        diff = "" if reference is None or got is None else " max |diff| vs bounds (out, dq, dk, dv): " + ", ".join(
             f"{(a - b).abs().max().item():.2e}" for a, b in zip(got, reference))
-        print(f"{name:8s} fwd + bwd {ms:.3f} ms a layer (first call {first_s:.1f} s){diff}", flush=True)
+        print(f"{name:9s} fwd + bwd {ms:.3f} ms a layer (first call {first_s:.1f} s){diff}", flush=True)
 
 
 if __name__ == "__main__":
