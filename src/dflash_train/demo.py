@@ -203,7 +203,7 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
     else:
         cfg, regen = regenerate_demo_data(cfg, tokenizer)
     phases["regenerate"] = time.perf_counter() - t0
-    if kind == "cuda" and minutes is None and not any(o.startswith("train.max_minutes=") for o in overrides):
+    if kind == "cuda" and minutes is None:  # train.max_minutes=M is a ceiling here; --minutes M is the budget
         fitted = fitted_training_minutes(cfg.train.max_minutes, time.perf_counter() - t_start)
         if fitted < cfg.train.max_minutes:
             log.warning(f"demo: {time.perf_counter() - t_start:.0f} s spent before training; training "
