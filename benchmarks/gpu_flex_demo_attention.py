@@ -12,6 +12,8 @@ layer's attention, forward + backward, on a row packed like the demo's (document
   documents  the mask_mod before it: the key's document (a per-key gather of doc_ids) against the anchor's
   nomask     every visited tile taken whole (a wrong mask: the floor for what mask evaluation can cost)
   tiles64    `bounds` with 64-wide kernel tiles
+  split      the block's own keys out of flex: flex over the context only, returning its log-sum-exp, the own keys
+             as a batched 16 x 16 attention, merged by log-sum-exp (gradients flow through flex's lse)
   dense      not this mask: SDPA (flash) over as many query-key pairs, every query against the same keys (as many
              as the visited tiles give a query tile): what the hardware does with this much attention work
 Each flex variant builds its BlockMask inside the compiled function from the row's anchors and doc_ids, as the
@@ -89,10 +91,37 @@ def main(names: list[str]) -> None:
         return lambda q, k, v: flex_attention(q, k, v, block_mask=mask_fn(anchors, doc_ids), enable_gqa=True,
                                               kernel_options=options or None)
 
+    def split(q, k, v):
+        """The block's own keys out of flex: flex over the context keys only (its log-sum-exp returned), the B own
+        keys of each block as one batched B x B attention, the two merged by their log-sum-exps: the same
+        attention, a quarter fewer flex tiles (the own tile of each query tile), and gradients through flex's lse."""
+        mask = flex_block_mask(anchors, doc_ids, B, TILE)
+        ctx_tiles = T // TILE                            # T is a multiple of the tile here: own keys start a tile
+
+        def ctx_mod(b, h, q_idx, kv_idx):
+            block = (q_idx // B).clamp(max=A - 1)
+            return (kv_idx >= mask.first[block]) & (kv_idx < anchors[block])
+        ctx_mask = tile_block_mask(mask.partial[:, :ctx_tiles], mask.full[:, :ctx_tiles], ctx_mod, (A * B, T), TILE)
+        out_ctx, lse_ctx = flex_attention(q, k[:, :, :T], v[:, :, :T], block_mask=ctx_mask, enable_gqa=True,
+                                          return_lse=True)
+        groups = H // HKV
+        qb = q.view(H, A, B, D)
+        kb = k[0, :, T:].view(HKV, A, B, D).repeat_interleave(groups, 0)
+        vb = v[0, :, T:].view(HKV, A, B, D).repeat_interleave(groups, 0)
+        scores = (qb.float() @ kb.float().transpose(-1, -2)) * D ** -0.5          # [H, A, B, B]
+        lse_own = scores.logsumexp(-1)                                             # [H, A, B]
+        out_own = (scores - lse_own[..., None]).exp() @ vb.float()                 # [H, A, B, D]
+        lse_ctx = lse_ctx.view(H, A, B).float()
+        top = torch.maximum(lse_ctx, lse_own)
+        w_ctx, w_own = (lse_ctx - top).exp(), (lse_own - top).exp()               # no context: w_ctx = 0
+        out = (w_ctx[..., None] * out_ctx.view(H, A, B, D).float() + w_own[..., None] * out_own) \
+            / (w_ctx + w_own)[..., None]
+        return out.view(1, H, A * B, D).to(q.dtype)
+
     tiles64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
     step_mask = lambda anchors, doc_ids: flex_block_mask(anchors, doc_ids, B, TILE).block_mask()  # noqa: E731
     variants = {"bounds": flex(step_mask), "documents": flex(documents_mask), "nomask": flex(nomask),
-                "tiles64": flex(step_mask, **tiles64)}
+                "tiles64": flex(step_mask, **tiles64), "split": split}
     visited = int(m.partial.sum() + m.full.sum()) * TILE // m.partial.shape[0]   # keys a query tile visits
     dense_k = torch.randn(1, H, visited, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dense_v = torch.randn(1, H, visited, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
