@@ -19,6 +19,8 @@
 #                 for all), each kernel's compile timed
 #   check_target  the compiled target forward against eager per compile / graph setting, each-layer compile included
 #                 (benchmarks/gpu_target_compile_check.py; no staging needed)
+#   flex_demo  the demo drafter's flex attention alone, one layer fwd + bwd, per mask variant (no staging needed;
+#              PROBE_S seconds at most, default 300)
 #   profile_drafter  the demo's drafter step alone (benchmarks/gpu_profile.py drafter, v1): ms a step with CUDA graphs
 #                    and without, the compiled step's top kernels (PROFILE_MODES="reduce-overhead eager": eager's)
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
@@ -186,6 +188,12 @@ profile_drafter() {
   # streamed (a cut call still returns what ran); the whole output is in gpu_demo.log
   PROFILE_ARCHS=dflash timeout ${PROFILE_S:-150} python3 benchmarks/gpu_profile.py drafter 2>&1 |
     grep --line-buffered -v -E "it/s\]|s/it\]|UserWarning|return node.target"
+}
+
+flex_demo() {
+  banner "the demo drafter's flex attention, one layer, per mask variant (benchmarks/gpu_flex_demo_attention.py)"
+  timeout ${PROBE_S:-300} python3 benchmarks/gpu_flex_demo_attention.py 2>&1 |
+    grep --line-buffered -v -E "UserWarning|warnings.warn|_warn_once"
 }
 
 join() {
