@@ -154,7 +154,7 @@ class FlexMask:
     inside the graph, and the step has no host syncs and fixed shapes (Qt = ceil(A*B/tile), KVt = ceil((T+A*B)/tile)).
     mask_mod compares each key with its query's bounds, two per block (first context key, anchor) and the block's
     own keys, and reads nothing per key: with short documents most tiles are partial (443 of 507 visited tiles on a
-    row of the GPU demo), so it runs for most query-key pairs.
+    row packed like the GPU demo's, benchmarks/gpu_flex_demo_attention.py), so it runs for most query-key pairs.
     """
     anchors: torch.Tensor      # [A] anchor position of each block: its context keys end before it
     first: torch.Tensor        # [A] first key of the anchor's document: its context keys start there
