@@ -288,6 +288,24 @@ def test_the_gpu_demo_fits_its_training_into_twenty_minutes():
     assert fitted(10.5, 1200.0) == MIN_TRAINING_MINUTES  # past the target: a short run, not none
 
 
+def test_a_minutes_override_is_a_ceiling_and_only_minutes_lifts_the_fit(chat_target, tmp_path):
+    """On a GPU, train.max_minutes=M given as an override is a ceiling the 20-minute fit still applies to;
+    `--minutes M` is the budget itself; a CPU demo is never fitted (elapsed seconds are arguments: no clock)."""
+    from dflash_train.demo import build_demo_config, fit_training_budget, fitted_training_minutes
+
+    def cfg(minutes=None, overrides=()):
+        return build_demo_config(torch.device("cuda", 0), minutes, str(tmp_path / "demo"),
+                                 [f"model.target={chat_target}", *overrides])
+
+    ceiling = cfg(overrides=["train.max_minutes=12"])
+    after_data_step = 313.0                                   # demo-j's seconds before training
+    fitted = fit_training_budget(ceiling, "cuda", None, after_data_step).train.max_minutes
+    assert fitted == fitted_training_minutes(12.0, after_data_step) < 12.0
+    assert fit_training_budget(ceiling, "cuda", None, 100.0).train.max_minutes == 12.0   # room for all of it
+    assert fit_training_budget(cfg(minutes=12.0), "cuda", 12.0, after_data_step).train.max_minutes == 12.0
+    assert fit_training_budget(ceiling, "cpu", None, after_data_step).train.max_minutes == 12.0
+
+
 def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys, monkeypatch):
     data = write_chats(tmp_path / "chats.jsonl", 200)
     own = tmp_path / "own.jsonl"
