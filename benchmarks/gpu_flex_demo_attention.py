@@ -20,6 +20,8 @@ Each flex variant builds its BlockMask inside the compiled function from the row
 training step does.
 
   PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py [VARIANT ...]
+  PROBE_CPU=1 PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py   # the CPU's flex template: forward
+      # only (no CPU backward), fp32, 64 anchors on a 1,024-token row; `split` needs return_lse, which it lacks
 
 Prints per variant the time per call (CUDA events, median of 20 after 3 warm-up calls), the largest difference from
 `bounds`' output and gradients, and the mask's tile counts. A probe: its figures go to docs/BENCHMARKS.md with
@@ -29,6 +31,7 @@ this command.
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 A, B, T, H, HKV, D = 1024, 16, 8192, 9, 3, 64
+CPU = os.environ.get("PROBE_CPU") == "1"
+if CPU:
+    A, T = 64, 1024
 MEAN_DOC = 276        # demo-m: 31.96 M tokens in 115,720 conversations
 TILE = 128
 
@@ -64,7 +70,8 @@ def main(names: list[str]) -> None:
     from dflash_train.training.objective import flex_block_mask
 
     configure_cudagraphs()
-    dev = torch.device("cuda")
+    dev = torch.device("cpu" if CPU else "cuda")
+    dtype, grads = (torch.float32, False) if CPU else (torch.bfloat16, True)
     doc_ids, loss_mask = demo_row()
     anchors, _ = sample_anchors(loss_mask, doc_ids, A, torch.Generator().manual_seed(0))
     doc_ids, anchors = doc_ids.to(dev), anchors.to(dev)
@@ -102,35 +109,41 @@ def main(names: list[str]) -> None:
             block = (q_idx // B).clamp(max=A - 1)
             return (kv_idx >= mask.first[block]) & (kv_idx < anchors[block])
         ctx_mask = tile_block_mask(mask.partial[:, :ctx_tiles], mask.full[:, :ctx_tiles], ctx_mod, (A * B, T), TILE)
-        out_ctx, lse_ctx = flex_attention(q, k[:, :, :T], v[:, :, :T], block_mask=ctx_mask, enable_gqa=True,
-                                          return_lse=True)
+        out_ctx, lse_ctx = flex_attention(q, k[:, :, :T].contiguous(), v[:, :, :T].contiguous(), block_mask=ctx_mask,
+                                          enable_gqa=True, return_lse=True)
         groups = H // HKV
-        qb = q.view(H, A, B, D)
-        kb = k[0, :, T:].view(HKV, A, B, D).repeat_interleave(groups, 0)
-        vb = v[0, :, T:].view(HKV, A, B, D).repeat_interleave(groups, 0)
+        qb = q.reshape(H, A, B, D)
+        kb = k[0, :, T:].reshape(HKV, A, B, D).repeat_interleave(groups, 0)
+        vb = v[0, :, T:].reshape(HKV, A, B, D).repeat_interleave(groups, 0)
         scores = (qb.float() @ kb.float().transpose(-1, -2)) * D ** -0.5          # [H, A, B, B]
         lse_own = scores.logsumexp(-1)                                             # [H, A, B]
         out_own = (scores - lse_own[..., None]).exp() @ vb.float()                 # [H, A, B, D]
-        lse_ctx = lse_ctx.view(H, A, B).float()
+        lse_ctx = lse_ctx.reshape(H, A, B).float()
         top = torch.maximum(lse_ctx, lse_own)
         w_ctx, w_own = (lse_ctx - top).exp(), (lse_own - top).exp()               # no context: w_ctx = 0
-        out = (w_ctx[..., None] * out_ctx.view(H, A, B, D).float() + w_own[..., None] * out_own) \
+        out = (w_ctx[..., None] * out_ctx.reshape(H, A, B, D).float() + w_own[..., None] * out_own) \
             / (w_ctx + w_own)[..., None]
-        return out.view(1, H, A * B, D).to(q.dtype)
+        return out.reshape(1, H, A * B, D).to(q.dtype)
 
     tiles64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
     step_mask = lambda anchors, doc_ids: flex_block_mask(anchors, doc_ids, B, TILE).block_mask()  # noqa: E731
     variants = {"bounds": flex(step_mask), "documents": flex(documents_mask), "nomask": flex(nomask),
                 "tiles64": flex(step_mask, **tiles64), "split": split}
     visited = int(m.partial.sum() + m.full.sum()) * TILE // m.partial.shape[0]   # keys a query tile visits
-    dense_k = torch.randn(1, H, visited, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    dense_v = torch.randn(1, H, visited, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dense_k = torch.randn(1, H, visited, D, device=dev, dtype=dtype, requires_grad=grads)
+    dense_v = torch.randn(1, H, visited, D, device=dev, dtype=dtype, requires_grad=grads)
     variants["dense"] = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, dense_k, dense_v)
     torch.manual_seed(0)
-    q = torch.randn(1, H, A * B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, HKV, T + A * B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(1, HKV, T + A * B, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    go = torch.randn(1, H, A * B, D, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(1, H, A * B, D, device=dev, dtype=dtype, requires_grad=grads)
+    k = torch.randn(1, HKV, T + A * B, D, device=dev, dtype=dtype, requires_grad=grads)
+    v = torch.randn(1, HKV, T + A * B, D, device=dev, dtype=dtype, requires_grad=grads)
+    go = torch.randn(1, H, A * B, D, device=dev, dtype=dtype)
+    if CPU:
+        variants.pop("split")
+    unknown = [n for n in names if n not in variants]
+    if unknown:
+        sys.exit(f"unknown variant(s) {unknown}; here: {', '.join(variants)}")
+    phase = "fwd + bwd" if grads else "fwd"
     reference = None
     for name in names or list(variants):
         fn = torch.compile(variants[name], dynamic=False, fullgraph=True)
@@ -138,17 +151,19 @@ def main(names: list[str]) -> None:
         def call():
             q.grad = k.grad = v.grad = None
             out = fn(q, k, v)
-            out.backward(go)
+            if grads:
+                out.backward(go)
             return out
 
         first_s, ms = time_calls(lambda i: call(), dev, warmup=3, iters=20)
         out = call()
-        got = None if name == "dense" else [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
+        got = None if name == "dense" else [out.detach().float()] + (
+            [q.grad.float(), k.grad.float(), v.grad.float()] if grads else [])
         if reference is None and name == "bounds":
             reference = got
         diff = "" if reference is None or got is None else " max |diff| vs bounds (out, dq, dk, dv): " + ", ".join(
             f"{(a - b).abs().max().item():.2e}" for a, b in zip(got, reference))
-        print(f"{name:9s} fwd + bwd {ms:.3f} ms a layer (first call {first_s:.1f} s){diff}", flush=True)
+        print(f"{name:9s} {phase} {ms:.3f} ms a layer (first call {first_s:.1f} s){diff}", flush=True)
 
 
 if __name__ == "__main__":
