@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's GPU demo on one H200 (torch 2.11, no network, at most 64 MiB carried and 10 minutes per call),
 # run from the repo root in back-to-back device calls on one warm machine:
-#   stage    carry .gpu/a .gpu/whl, then again with .gpu/data (64 MiB a call): stage the first half of the GGUF, the ShareGPT chats (replies blanked,
-#            written here by `PYTHONPATH=src python3 benchmarks/gpu_data.py`) and the gguf wheel under /tmp
+#   stage    carry .gpu/a .gpu/whl, then again with .gpu/data (64 MiB a call): stage the first half of the GGUF,
+#            the ShareGPT chats (replies blanked, written here by `PYTHONPATH=src python3 benchmarks/gpu_data.py`)
+#            and the gguf wheel under /tmp
 #   check    stage, then the GPU checks that need no real weights: a tiny pipeline with validation and the measurement
 #            after training (reduce-overhead steps in worker threads, flex target as a CUDA graph), and the
 #            `generate` benchmark (continuous batching vs static batches, SmolLM2 shape, random weights)
@@ -69,7 +70,9 @@ stage() {
   # 64 MiB, so `stage` runs twice (carry .gpu/a .gpu/whl, then .gpu/data).
   mkdir -p $S/data
   if [[ -f .gpu/a/ggufpart00 ]]; then cp .gpu/a/ggufpart00 $S/; fi
-  if [[ -f .gpu/data/train_chats.jsonl.gz ]]; then gunzip -c .gpu/data/train_chats.jsonl.gz > $S/data/train_chats.jsonl; fi
+  if [[ -f .gpu/data/train_chats.jsonl.gz ]]; then
+    gunzip -c .gpu/data/train_chats.jsonl.gz > $S/data/train_chats.jsonl
+  fi
   if compgen -G ".gpu/whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/whl/*.whl
   fi

@@ -11,7 +11,7 @@ layer's attention, forward + backward, on a row packed like the demo's (document
              key with its block's bounds (the document's first token, the anchor, the block's own keys)
   documents  the mask_mod before it: the key's document (a per-key gather of doc_ids) against the anchor's
   nomask     every visited tile taken whole (a wrong mask: the floor for what mask evaluation can cost)
-  tiles64    `bounds` with 64-wide kernel tiles
+  tiles64    `bounds` with 64-wide kernel tiles (gpu_flex_compile.py's kernel-option set of that name)
   split      the block's own keys out of flex: flex over the context only, returning its log-sum-exp, the own keys
              as a batched 16 x 16 attention, merged by log-sum-exp (gradients flow through flex's lse)
   dense      not this mask: SDPA (flash) over as many query-key pairs, every query against the same keys (as many
@@ -61,6 +61,7 @@ def demo_row(seed: int = 0):
 
 
 def main(names: list[str]) -> None:
+    from gpu_flex_compile import SETS as KERNEL_SETS
     from harness import time_calls
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -125,10 +126,9 @@ def main(names: list[str]) -> None:
             / (w_ctx + w_own)[..., None]
         return out.reshape(1, H, A * B, D).to(q.dtype)
 
-    tiles64 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
     step_mask = lambda anchors, doc_ids: flex_block_mask(anchors, doc_ids, B, TILE).block_mask()  # noqa: E731
     variants = {"bounds": flex(step_mask), "documents": flex(documents_mask), "nomask": flex(nomask),
-                "tiles64": flex(step_mask, **tiles64), "split": split}
+                "tiles64": flex(step_mask, **KERNEL_SETS["tiles64"]), "split": split}
     visited = int(m.partial.sum() + m.full.sum()) * TILE // m.partial.shape[0]   # keys a query tile visits
     dense_k = torch.randn(1, H, visited, D, device=dev, dtype=dtype, requires_grad=grads)
     dense_v = torch.randn(1, H, visited, D, device=dev, dtype=dtype, requires_grad=grads)
