@@ -166,6 +166,7 @@ def test_prompt_file_not_utf8_names_the_true_byte(tmp_path, capsys):
     (["eval", "--drafter", "nope", "--out", "A_FILE"], ["--out", "is a file"]),
     (["eval", "--drafter", "nope", "--out", "/proc/dflash-train-test/eval"], ["--out", "cannot be created"]),
     (["eval", "--drafter", "nope", "--num-prompts", "0"], ["--num-prompts"]),
+    (["eval", "--drafter", "nope", "--timed-prompts", "0"], ["--timed-prompts"]),
 ])
 def test_regenerate_and_eval_arguments(argv, words, tmp_path, monkeypatch, capsys):
     # Each is refused before a model loads (the drafter and target are never read): was a traceback, or minutes

@@ -204,3 +204,67 @@ def test_a_wrong_plain_token_is_not_waved_through(setup, monkeypatch):
     s = evaluate(t, drafter, PROMPTS, NEW, warmup=False).summary()
     assert s["lossless"] is False and s["first_wrong"]["plain"] and s["first_wrong"]["token"] == 3
     assert s["verdict"].startswith("NO: prompt 1: plain decoding diverges at token 3, margin ")
+
+
+# ------------------------------------------------------------------------------- plain decoding on a subset (timed)
+
+def test_timed_indices_spread_evenly():
+    assert benchmark.timed_indices(80, 16) == set(range(0, 80, 5))
+    assert benchmark.timed_indices(5, 2) == {0, 2}
+    assert benchmark.timed_indices(4, None) == benchmark.timed_indices(4, 9) == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="at least 1"):
+        benchmark.timed_indices(4, 0)
+
+
+def test_untimed_prompts_are_checked_token_by_token(setup):
+    """Plain decoding on 2 of 4 prompts: the other two get no plain output and no plain time, their verdict comes
+    from the teacher-forced check alone, and every token they emit is the target's choice (or a tie in bf16)."""
+    name, t, drafter = setup
+    full = evaluate(t, drafter, PROMPTS, NEW, warmup=False)
+    rep = evaluate(t, drafter, PROMPTS, NEW, warmup=False, timed=2)
+    s = rep.summary()
+    assert [p.timed for p in rep.prompts] == [True, False, True, False] and s["timed_prompts"] == 2
+    assert [bool(p.baseline) for p in rep.prompts] == [True, False, True, False]
+    assert [p.speculative for p in rep.prompts] == [p.speculative for p in full.prompts]
+    for i in (1, 3):
+        p = rep.prompts[i]
+        assert p.baseline_s == 0.0 and p.first_mismatch is None and p.verdict in ("argmax", "tie")
+        for j, (best, top, mine) in enumerate(greedy_check(t, PROMPTS[i], p.speculative)):
+            assert (best == p.speculative[j]) == (j not in p.tie_tokens)
+        assert p.tau_estimate == pytest.approx(full.prompts[i].tau_estimate, abs=1e-6) or name == "bf16"
+    if name == "fp32":
+        assert [p.verdict for p in rep.prompts] == ["identical", "argmax", "identical", "argmax"]
+    assert s["lossless"] is True and s["identical_prompts"] + s["argmax_prompts"] + s["tie_prompts"] == 4
+    # the speedup's plain rate comes from the timed prompts alone
+    timed = [rep.prompts[0], rep.prompts[2]]
+    ms = 1000 * sum(p.baseline_s for p in timed) / sum(len(p.baseline) for p in timed)
+    assert s["baseline_ms_per_token"] == pytest.approx(ms)
+    assert s["verdict"].startswith(f"yes ({s['identical_prompts'] + s['argmax_prompts']}/4 the target's argmax "
+                                   "at every token")
+    assert "plain decoding timed on 2 of them" in format_summary(rep)
+
+
+def test_planted_bug_on_an_untimed_prompt_is_no(setup, monkeypatch):
+    name, t, drafter = setup
+    real_spec, real_accept = speculative.speculative_generate, speculative.accept_greedy
+
+    def spec_generate(t_run, d_run, prompt, *args, **kw):   # the bug strikes on prompt 3, which plain skips
+        monkeypatch.setattr(speculative, "accept_greedy", one_too_many(real_accept) if prompt == PROMPTS[3]
+                            else real_accept)
+        return real_spec(t_run, d_run, prompt, *args, **kw)
+
+    monkeypatch.setattr(benchmark, "speculative_generate", spec_generate)
+    rep = evaluate(t, drafter, PROMPTS, NEW, warmup=False, timed=2)
+    s = rep.summary()
+    assert not rep.prompts[3].timed and rep.prompts[3].verdict == "wrong"
+    assert s["lossless"] is False and s["first_wrong"]["prompt"] == 3 and not s["first_wrong"]["plain"]
+    best, top, mine = greedy_check(t, PROMPTS[3], rep.prompts[3].speculative)[s["first_wrong"]["token"]]
+    assert best != rep.prompts[3].speculative[s["first_wrong"]["token"]]
+    assert s["verdict"].startswith("NO: prompt 3 diverges at token ")
+
+
+def test_verdict_text_with_untimed_prompts():
+    s = dict(num_prompts=80, timed_prompts=16, identical_prompts=10, argmax_prompts=40, dtype="bf16",
+             tie_prompts=30, wrong_prompts=0, first_wrong=None, lossless=True)
+    assert verdict_text(s) == "yes (50/80 the target's argmax at every token, 30 with bf16 ties)"
+    assert verdict_text(dict(s, argmax_prompts=70, tie_prompts=0)) == "yes (80/80 the target's argmax at every token)"

@@ -192,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int, default=None, help="default: the drafter's block_size")
     e.add_argument("--temperature", type=float, default=0.0)
     e.add_argument("--num-prompts", type=int, default=None, help="use at most this many prompts")
+    e.add_argument("--timed-prompts", type=int, default=None,
+                   help="run plain decoding (the speedup's reference) on this many prompts, evenly spread, and check "
+                        "the others' lossless verdict by one teacher-forced target pass each (default: every prompt)")
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target and drafter compute dtype (auto: bf16 on CUDA, fp32 on CPU); the lossless verdict "

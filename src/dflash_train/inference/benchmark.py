@@ -2,6 +2,10 @@
 
 Both paths run on the same static-cache target runner (CUDA-graphed on GPU), one prompt at a time, after one
 untimed warm-up generation each; times run from prefill to the last token (prefill included, identical in both).
+Plain decoding may run on a subset only (`timed`, evenly spread over the prompts; the demo times 16 of each set):
+its cost per token hardly depends on the prompt, so the speedup is plain decoding's ms per token on that subset over
+speculative decoding's on every prompt, and the lossless verdict of the other prompts is the teacher-forced check
+below with no plain output to compare.
 tau: mean acceptance length over a prompt's verification steps, then the mean over prompts (docs/DESIGN.md). Lossless
 (greedy only): every token speculative decoding emitted is the target's greedy choice given its prefix, up to
 ties within the dtype's rounding (inference/verdict.py); prompts whose two outputs are identical need no check.
@@ -44,7 +48,7 @@ from .drafter_runner import Drafter2Runner, DrafterRunner
 from .report import verdict_text
 from .speculative import speculative_generate
 from .target_runner import TargetRunner
-from .verdict import TIE_ULPS, judge_prompt
+from .verdict import TIE_ULPS, judge_alone, judge_prompt
 
 log = logging.getLogger("dflash_train")
 
@@ -80,14 +84,14 @@ def check_compatible(dcfg: DrafterConfig, info: TargetInfo, drafter_dir: str = "
 @dataclass
 class PromptReport:
     prompt_tokens: int
-    baseline: list[int]                  # generated tokens, plain decoding
+    baseline: list[int]                  # generated tokens, plain decoding ([] when it did not run: timed False)
     speculative: list[int]               # generated tokens, speculative decoding
     accept_lengths: list[int]            # tau per verification step
     baseline_s: float
     speculative_s: float
     first_mismatch: int | None = None    # index of the first differing token (greedy), None if identical
     mismatch_margin: float | None = None  # target's top-1 minus top-2 logit there: ~0 means a numerical tie
-    verdict: str | None = None           # greedy: "identical" | "tie" | "wrong" (verdict.py); None when sampling
+    verdict: str | None = None           # greedy: "identical" | "argmax" | "tie" | "wrong" (verdict.py); None: sampling
     tie_tokens: list[int] = field(default_factory=list)    # emitted tokens within rounding of the argmax, not it
     tie_gaps: list[float] = field(default_factory=list)    # top logit minus the emitted token's logit there
     wrong_token: int | None = None       # first generated token neither the target's argmax nor a tie
@@ -96,6 +100,7 @@ class PromptReport:
     tau_estimate: float | None = None    # training's acc@k estimate on the target's greedy output (module docstring)
     category: str | None = None          # the prompt's category (e.g. the yardstick's "math"), for per-category tau
     id: str | None = None                # the prompt's id in its file, if it has one
+    timed: bool = True                   # plain decoding ran on it (evaluate's `timed`)
 
     @property
     def tau(self) -> float | None:
@@ -174,16 +179,18 @@ class EvalReport:
         return out
 
     def _rate(self, attr_tokens: str, attr_s: str) -> tuple[float | None, float | None]:
-        """(tokens per second, milliseconds per token) over all prompts."""
-        tokens = sum(len(getattr(p, attr_tokens)) for p in self.prompts)
-        seconds = sum(getattr(p, attr_s) for p in self.prompts)
+        """(tokens per second, milliseconds per token) over the prompts that ran (plain decoding: the timed ones)."""
+        ran = [p for p in self.prompts if p.timed or attr_tokens == "speculative"]
+        tokens = sum(len(getattr(p, attr_tokens)) for p in ran)
+        seconds = sum(getattr(p, attr_s) for p in ran)
         if not tokens or not seconds:
             return None, None
         return tokens / seconds, 1000 * seconds / tokens
 
     @property
     def lossless(self) -> bool | None:
-        """Greedy: no prompt has a wrong token (identical to plain decoding, or diverging only at ties: verdict.py).
+        """Greedy: no prompt has a wrong token (identical to plain decoding or the argmax at every token, or
+        diverging only at ties: verdict.py).
         Sampling: None (the outputs are not comparable token for token)."""
         if self.temperature > 0:
             return None
@@ -215,7 +222,9 @@ class EvalReport:
             "baseline_ms_per_token": base_ms, "speculative_ms_per_token": spec_ms,
             "speedup": base_ms / spec_ms if base_ms and spec_ms else None,
             "lossless": self.lossless,
-            "identical_prompts": sum(p.first_mismatch is None for p in self.prompts),
+            "timed_prompts": sum(p.timed for p in self.prompts),
+            "identical_prompts": sum(p.timed and p.first_mismatch is None for p in self.prompts),
+            "argmax_prompts": sum(p.verdict == "argmax" for p in self.prompts),
             "tie_prompts": sum(p.verdict == "tie" for p in self.prompts),
             "wrong_prompts": sum(p.verdict == "wrong" for p in self.prompts),
             "first_wrong": self.first_wrong, "tie_ulps": TIE_ULPS,
@@ -263,15 +272,17 @@ def acc_estimate(target: TargetModel, drafter: DFlashDrafter, prompt: list[int],
 def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], max_new_tokens: int,
              temperature: float = 0.0, block_size: int | None = None, stop_ids=(), graphs: bool | None = None,
              seed: int = 0, warmup: bool = True, categories: list[str | None] | None = None,
-             ids: list[str | None] | None = None) -> EvalReport:
-    """Plain and speculative generation for every prompt on one harness -> EvalReport.
+             ids: list[str | None] | None = None, timed: int | None = None) -> EvalReport:
+    """Speculative generation for every prompt, plain generation for `timed` of them (None: every prompt), on one
+    harness -> EvalReport.
 
     target: loaded with truncate=False and the drafter's layer ids. drafter: a DFlashDrafter (run on a private copy
     in the target's dtype) or a ready DraftSource (e.g. a test double). stop_ids: eos ids (see stop_token_ids).
     graphs: CUDA graphs, None = on for CUDA targets. categories, ids: one per prompt (or None), for per-category
-    tau and the verdict's words."""
+    tau and the verdict's words. timed: plain decoding on this many prompts, evenly spread (timed_indices)."""
     if not prompts_token_ids:
         raise ValueError("no prompts to evaluate")
+    plain_on = timed_indices(len(prompts_token_ids), timed)
     for name, tags in (("categories", categories), ("ids", ids)):
         if tags is not None and len(tags) != len(prompts_token_ids):
             raise ValueError(f"{len(tags)} {name} for {len(prompts_token_ids)} prompts")
@@ -298,23 +309,39 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
                              stop_ids, gen)
     bar = progress_bar(prompts_token_ids, desc="evaluating", unit="prompt", leave=False)  # lines off a TTY
     for i, prompt in enumerate(bar):
-        base = target_generate(t_run, prompt, max_new_tokens, temperature, stop_ids, gen)
+        base = (target_generate(t_run, prompt, max_new_tokens, temperature, stop_ids, gen) if i in plain_on
+                else None)
         spec = speculative_generate(t_run, d_run, prompt, max_new_tokens, temperature, stop_ids, gen)
-        rep = PromptReport(len(prompt), base.tokens, spec.tokens, spec.accept_lengths, base.seconds, spec.seconds,
+        rep = PromptReport(len(prompt), base.tokens if base else [], spec.tokens, spec.accept_lengths,
+                           base.seconds if base else 0.0, spec.seconds,
                            category=categories[i] if categories is not None else None,
-                           id=ids[i] if ids is not None else None)
+                           id=ids[i] if ids is not None else None, timed=base is not None)
         if temperature <= 0:
-            rep.first_mismatch = _first_mismatch(base.tokens, spec.tokens)
-            v = judge_prompt(target.hf, prompt, base.tokens, spec.tokens, rep.first_mismatch)
+            if base is not None:
+                rep.first_mismatch = _first_mismatch(base.tokens, spec.tokens)
+                v = judge_prompt(target.hf, prompt, base.tokens, spec.tokens, rep.first_mismatch)
+            else:
+                v = judge_alone(target.hf, prompt, spec.tokens)
             rep.verdict, rep.tie_tokens, rep.tie_gaps = v.kind, v.ties, v.tie_gaps
             rep.wrong_token, rep.wrong_gap, rep.plain_wrong = v.wrong_token, v.wrong_gap, v.plain_wrong
             rep.mismatch_margin = v.mismatch_margin
             if isinstance(d_run, DrafterRunner):  # the runner's copy: the drafter as decoding ran it (dtype)
-                rep.tau_estimate = acc_estimate(target, d_run.drafter, prompt, base.tokens, B)
+                # the target's greedy output: plain decoding's, or the speculative one it was just checked to be
+                greedy = base.tokens if base is not None else spec.tokens
+                rep.tau_estimate = acc_estimate(target, d_run.drafter, prompt, greedy, B)
         report.prompts.append(rep)
-        log.debug("prompt %d: %d tokens, tau %s, %.3fs plain / %.3fs speculative", i, len(spec.tokens),
-                  rep.tau, base.seconds, spec.seconds)
+        log.debug("prompt %d: %d tokens, tau %s, %s plain / %.3fs speculative", i, len(spec.tokens), rep.tau,
+                  f"{base.seconds:.3f}s" if base else "no", spec.seconds)
     return report
+
+
+def timed_indices(n: int, timed: int | None) -> set[int]:
+    """The prompts plain decoding runs on: `timed` of n, evenly spread (every prompt when timed is None or >= n)."""
+    if timed is None or timed >= n:
+        return set(range(n))
+    if timed < 1:
+        raise ValueError(f"timed must be at least 1 (got {timed}): the speedup needs plain decoding's time")
+    return {i * n // timed for i in range(timed)}
 
 
 def run_eval_cli(args) -> int:
@@ -333,6 +360,9 @@ def run_eval_cli(args) -> int:
         raise UserError("--temperature must be 0 (greedy) or positive.")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError("--num-prompts must be at least 1 (leave it out for every prompt).")
+    if args.timed_prompts is not None and args.timed_prompts < 1:
+        raise UserError("--timed-prompts must be at least 1 (the speedup needs plain decoding on some prompts; leave "
+                        "it out to time every prompt).")
     out_dir = Path(args.out or "runs/eval")
     if out_dir.is_file():
         raise UserError(f"--out {str(out_dir)!r} is a file; name a directory for eval.json and eval.png.")
@@ -359,7 +389,7 @@ def run_eval_cli(args) -> int:
     drafter = load_drafter(args.drafter, device)
     report = evaluate(target, drafter, prompt_ids, args.max_new_tokens, args.temperature, args.block_size,
                       stop_ids=stop_token_ids(target.hf, tokenizer), categories=[p.category for p in prompts],
-                      ids=[p.id for p in prompts])
+                      ids=[p.id for p in prompts], timed=args.timed_prompts)
     write_report(report, out_dir)
     print(format_summary(report))
     print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.png'}")

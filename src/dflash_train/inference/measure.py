@@ -62,12 +62,13 @@ def eval_prompt_ids(cfg: Config, tokenizer, n: int, spec: str | None = None,
 
 
 def measure_acceptance(cfg: Config, drafter_dir: str | Path, device, result=None, spec: str | None = None,
-                       n: int | None = None, new_tokens: int | None = None, out_name: str = MEASURED_DIR):
+                       n: int | None = None, new_tokens: int | None = None, out_name: str = MEASURED_DIR,
+                       timed: int | None = None):
     """Speculative decoding with the drafter in drafter_dir on up to n (train.final_eval_prompts) prompts of
     new_tokens (train.final_eval_new_tokens) each -> the
     EvalReport (also written to <out_dir>/<out_name>/), or None when there is nothing to prompt with (synthetic
     data without held-out documents). result: the TrainResult, whose estimates join the log line and the
-    metrics.jsonl record."""
+    metrics.jsonl record. timed: plain decoding on this many of the prompts (evaluate; None: all)."""
     from ..models.checkpoint import load_drafter
     from ..models.target import load_target, load_tokenizer
     from .benchmark import evaluate, stop_token_ids
@@ -85,7 +86,7 @@ def measure_acceptance(cfg: Config, drafter_dir: str | Path, device, result=None
         return None
     log.info(f"measuring acceptance: speculative decoding on {len(ids)} {what} x {new_tokens} new tokens")
     report = evaluate(target, drafter, ids, new_tokens, stop_ids=stop_token_ids(target.hf, tokenizer),
-                      categories=[p.category for p in prompts], ids=[p.id for p in prompts])
+                      categories=[p.category for p in prompts], ids=[p.id for p in prompts], timed=timed)
     out_dir = Path(cfg.run.out_dir)
     write_report(report, out_dir / out_name)
     s = report.summary()

@@ -67,12 +67,17 @@ def tau_text(s: dict) -> str:
 def verdict_text(s: dict) -> str:
     """An EvalReport summary (or eval.json's "summary") -> the lossless verdict in words, e.g.
     `yes (32/32 identical)`, `yes (44/80 identical, 36 diverge only at bf16 ties)`,
-    `NO: prompt 7 diverges at token 31, margin 2.1` (inference/verdict.py says what a tie is)."""
+    `NO: prompt 7 diverges at token 31, margin 2.1` (inference/verdict.py says what a tie is). With plain decoding
+    on a subset only, identical prompts and those checked token by token count together:
+    `yes (50/80 the target's argmax at every token, 30 with bf16 ties)`."""
     if s["lossless"] is None:
         return "n/a (sampling; distribution-preserving rule)"
     n, same = s["num_prompts"], s["identical_prompts"]
     if s["lossless"]:
         ties = s.get("tie_prompts", 0)
+        if s.get("timed_prompts", n) < n:
+            return (f"yes ({same + s['argmax_prompts']}/{n} the target's argmax at every token"
+                    + (f", {ties} with {s['dtype']} ties)" if ties else ")"))
         return f"yes ({same}/{n} identical" + (f", {ties} diverge only at {s['dtype']} ties)" if ties else ")")
     w = s.get("first_wrong")
     if not w:  # a summary written before the verdict re-scored divergences
@@ -108,4 +113,6 @@ def format_summary(report) -> str:
     w0 = max(len(r[0]) for r in rows)
     head = (f"eval: {s['num_prompts']} prompts, max {s['max_new_tokens']} new tokens, T={s['temperature']:g}, "
             f"{s['device']}, {s['dtype']}, cuda graphs {'on' if s['cuda_graphs'] else 'off'}")
+    if s.get("timed_prompts", s["num_prompts"]) < s["num_prompts"]:
+        head += f", plain decoding timed on {s['timed_prompts']} of them"
     return "\n".join([head] + [f"  {a:<{w0}}  {b:>12}  {c}" for a, b, c in rows])

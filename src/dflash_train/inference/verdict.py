@@ -14,7 +14,9 @@ argmax given that token's own prefix:
 - otherwise: wrong. One wrong token makes the verdict NO, naming the prompt, the token and the logit gap.
 
 The plain token at the first divergence is held to the same bound (both share the prefix there), so a divergence
-caused by the plain path, not the speculative one, is not waved through either.
+caused by the plain path, not the speculative one, is not waved through either. A prompt that plain decoding did not
+run (the evaluator times plain decoding on a subset) gets the same teacher-forced check on every token: the
+definition itself, with no plain output to compare.
 
 The bound: a logit x in a floating dtype with p significand bits (eps = 2^(1-p): bf16 2^-7, fp16 2^-10, fp32 2^-23)
 sits on a grid of spacing ulp(x) = eps * 2^floor(log2|x|). Two passes that each round every logit once to that grid
@@ -80,13 +82,23 @@ def rescore(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 @dataclass
 class PromptVerdict:
-    kind: str                          # "identical" | "tie" | "wrong"
+    kind: str                          # "identical" | "argmax" (judge_alone) | "tie" | "wrong"
     ties: list[int] = field(default_factory=list)
     tie_gaps: list[float] = field(default_factory=list)
     wrong_token: int | None = None     # first generated token that is neither the target's argmax nor a tie
     wrong_gap: float | None = None     # top logit minus that token's logit
     mismatch_margin: float | None = None  # top-1 minus top-2 logit at the first divergence from plain decoding
     plain_wrong: bool = False          # the divergence is the plain token's fault (speculative tokens all right)
+
+
+def judge_alone(hf, prompt: list[int], spec: list[int], k: float = TIE_ULPS) -> PromptVerdict:
+    """The verdict of a prompt that plain decoding did not run (evaluate's `timed`): one teacher-forced forward over
+    every emitted token, "argmax" when each is the target's choice there, else "tie" or "wrong" as above."""
+    if not spec:
+        return PromptVerdict("argmax")
+    check = judge_tokens(rescore(hf, prompt, spec), spec, next(hf.parameters()).dtype, k)
+    kind = "wrong" if check.first_wrong is not None else "tie" if check.ties else "argmax"
+    return PromptVerdict(kind, check.ties, check.tie_gaps, check.first_wrong, check.wrong_gap)
 
 
 def judge_prompt(hf, prompt: list[int], plain: list[int], spec: list[int], first_mismatch: int | None,
