@@ -145,7 +145,7 @@ class _Logger:
         self.val_history = []
 
     def log_val(self, step, metrics, extra):
-        rec = {"step": step, "tau_est": float(metrics["tau_est"]), **extra}
+        rec = {"step": step, "loss": float(metrics["loss"]), "tau_est": float(metrics["tau_est"]), **extra}
         self.val_history.append(rec)
         return rec
 
@@ -202,9 +202,11 @@ def test_stalled_validation_while_training_rises_warns_once(tiny_llama, tmp_path
     assert PATIENCE < len(taus)
 
 
-def test_no_warning_while_validation_improves(tiny_llama, tmp_path, caplog):
+@pytest.mark.parametrize("taus", [[1, 2, 3, 4, 5, 6], [1, 2, 3, 3, 3, 3, 3]], ids=["improving", "annealed"])
+def test_no_warning_while_validation_improves_or_holds_level(taus, tiny_llama, tmp_path, caplog):
+    """A stall with a level held-out loss (the LR annealed to zero) is not memorisation, however training's noisy
+    estimate moves."""
     rows, drafter = _rows(tiny_llama, tmp_path)
-    taus = [1, 2, 3, 4, 5, 6]
     v = Validator(rows, tmp_path, eval_every=1, total_steps=len(taus), logger=_Logger())
     step_fn = _ScriptedStep(taus, len(rows.batches))
     with caplog.at_level(logging.WARNING, logger="dflash_train"):

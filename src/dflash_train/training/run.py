@@ -135,7 +135,7 @@ def build_run(cfg: Config, replicas: int = 1, out_dir: Path | None = None,
                "steps_per_row": t.steps_per_row,
                "shares": {Path(r["source"]).stem: r["share"] for r in data.stats.get("sources", [])}}
     line, too_many = data_passes_line(summary["conversations"], summary["unique_tokens"],
-                                      summary["supervised_tokens"], summary["epochs"])
+                                      summary["supervised_tokens"], summary["epochs"], follows_clock(t))
     log.info(line)
     if too_many:
         log.warning(f"{line.removeprefix('data: ')}: past {EPOCHS_WARN:g} epochs a drafter memorises its data and "

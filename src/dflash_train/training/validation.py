@@ -49,7 +49,12 @@ BEST_DIR, LAST_DIR, BEST_FILE = "drafter_best", "drafter_last", "best.json"
 # to where the two texts part (the reply's tokens and each block's acceptance, REPLY_TOKENS_KEPT tokens at most).
 REPLIES_FILE = "validation_replies.json"
 REPLY_TOKENS_KEPT = 512  # past the measurement's 256 new tokens; a reply's blocks kept while they end within it
-PATIENCE = 3            # validations without a new best (while training's estimate rises) before the warning
+PATIENCE = 3            # validations without a new best (while the held-out loss rises) before the warning
+# How far the held-out loss must rise past its lowest before a stalled validation reads as memorisation. Not a stall
+# alone: as the LR anneals to zero validation stops improving while train and held-out loss stay level (demo-m,
+# 2026-12-04: held-out loss 1.814 at the best step and at the end, and the old rule, "training's estimate rose", fired
+# on that estimate's window-to-window noise, +-0.2). Memorising raises the held-out loss while the training loss falls.
+LOSS_RISE = 0.02
 EPOCHS_WARN = 4.0       # more passes than this over the data: the start-up line warns of memorisation
 
 
@@ -403,27 +408,30 @@ class Validator:
 
     # ------------------------------------------------------------------ memorisation
     def _check_memorising(self) -> None:
-        """Warn once when validation has not improved for PATIENCE validations while training's estimate rose."""
+        """Warn once when validation has not improved for PATIENCE validations and the held-out loss has risen more
+        than LOSS_RISE past its lowest (LOSS_RISE says why a stall alone is not enough)."""
         h = self.history
         if self._warned or len(h) <= PATIENCE or self.best is None:
             return
-        recent = h[-PATIENCE:]
-        if any(r["step"] == self.best["step"] for r in recent):
+        if any(r["step"] == self.best["step"] for r in h[-PATIENCE:]):
             return
-        first, last = h[-PATIENCE - 1].get("train_tau_est"), recent[-1].get("train_tau_est")
-        if first is None or last is None or last <= first:
+        lowest, last = min(r["loss"] for r in h), h[-1]["loss"]
+        if last <= lowest * (1 + LOSS_RISE):
             return
         self._warned = True
         log.warning(f"validation: the held-out tau has not improved for {PATIENCE} validations (best "
-                    f"{self.best['value']:.2f} at step {self.best['step']}) while training's rose {first:.2f} -> "
-                    f"{last:.2f}: the drafter is memorising its data. drafter/ keeps the best step; for a better "
-                    "drafter add data (data.regenerate with data.self_prompts, more conversations) or lower "
-                    "train.max_steps.")
+                    f"{self.best['value']:.2f} at step {self.best['step']}) and the held-out loss rose from "
+                    f"{lowest:.3f} to {last:.3f}: the drafter is memorising its data. drafter/ keeps the best step; "
+                    "for a better drafter add data (data.regenerate with data.self_prompts, more conversations) or "
+                    "lower train.max_steps.")
 
 
-def data_passes_line(conversations: int, unique_tokens: int, supervised: int, epochs: float) -> tuple[str, bool]:
-    """The start-up line on data volume: unique tokens and how many passes over them the run's steps make; True
-    when that is past EPOCHS_WARN (a drafter trained many passes over too little data memorises it)."""
+def data_passes_line(conversations: int, unique_tokens: int, supervised: int, epochs: float,
+                     clock: bool = False) -> tuple[str, bool]:
+    """The start-up line on data volume: unique tokens and how many passes over them the run's steps make (at most,
+    when the clock may end the run first); True when that is past EPOCHS_WARN (a drafter trained many passes over
+    too little data memorises it)."""
     line = (f"data: {conversations:,} training conversations, {unique_tokens:,} unique tokens ({supervised:,} "
-            f"supervised); the run's steps amount to {epochs:.1f} epochs")
+            f"supervised); the run's steps amount to {'at most ' if clock else ''}{epochs:.1f} epochs"
+            + (" (train.max_minutes may end it sooner)" if clock else ""))
     return line, epochs > EPOCHS_WARN
