@@ -11,6 +11,9 @@
 #   check2   the tiny pipeline with a DFlash 2 drafter (model.architecture=dflash2)
 #   check_cache   the tiny pipeline with train.feature_cache_gb, with every row in host memory
 #                 (train.feature_cache_host_gb), and against the same fixed rows with nothing kept
+#   cache_speed   the demo's training settings (benchmarks/gpu_windows.py: SmolLM2 shape, random weights, synthetic
+#                 rows) with every row's features kept on the GPU, every row in host memory, and nothing kept:
+#                 tokens/s after the first epoch (CACHE_STEPS steps each, default 1200)
 #   check_val     the tiny pipeline with validation through the training graph, then through its own (same numbers)
 #   check_flex    the engine's flex decode attention, folded and grouped, timed; the engine in a worker thread
 #   check_anchors the tiny pipeline with train.anchor_sampling=decoding (anchors drawn on the device)
@@ -134,6 +137,17 @@ check_cache() {
   tiny_run /tmp/tinynocache data.synthetic_samples=48 train.feature_cache_gb=0.000001
   for r in /tmp/tinycache /tmp/tinyhost /tmp/tinynocache; do
     echo "--- $r"; grep -E "feature cache|peak GPU memory|rows of .* tokens per epoch|val +60/|done:" $r.log
+  done
+}
+
+cache_speed() {
+  local steps=${CACHE_STEPS:-1200} tiny=train.feature_cache_gb=0.000001 where
+  for where in "device train.feature_cache_gb=100" "host $tiny train.feature_cache_host_gb=40" "none $tiny"; do
+    set -- $where
+    banner "feature cache: $1"; shift
+    timeout 400 python3 benchmarks/gpu_windows.py "$steps" model.num_draft_layers=8 train.eval_every=0 \
+        train.checkpoint_every=0 "$@" 2>&1 | grep -E "rows .*per epoch|median|feature cache|within 3%|Error"
+    grep -E "feature cache|peak GPU" /tmp/dflash_windows/train.log | tail -3
   done
 }
 

@@ -8,7 +8,9 @@ on a random-init SmolLM2-shaped target and the synthetic source, whose short epo
 boundary in every few windows. Weights do not change the speed of a step; the data's document lengths vary less
 than chat data's.
 
-  Run (from the repo root of a GPU machine): PYTHONPATH=src python3 benchmarks/gpu_windows.py [steps]
+  Run (from the repo root of a GPU machine): PYTHONPATH=src python3 benchmarks/gpu_windows.py [steps [key=value ...]]
+    (overrides after the steps, e.g. train.feature_cache_host_gb=40: `gpu_demo.sh cache_speed` compares where the
+    feature cache keeps its rows by the windows after the first epoch)
   Read a finished run instead (any machine), e.g. the GPU demo's records:
     python3 benchmarks/gpu_windows.py --run docs/gpu-runs/2026-12-03-demo-f/metrics.jsonl \
         docs/gpu-runs/2026-12-03-demo-f/demo.log 500 2000     # its eval_every and checkpoint_every
@@ -51,7 +53,7 @@ def smollm2_shaped_target(path: Path) -> str:
     return str(path)
 
 
-def train(steps: int) -> Path:
+def train(steps: int, overrides: list[str] = ()) -> Path:
     out = WORK / "run"
     args = [sys.executable, "-m", "dflash_train.cli", "train", "--config", "smollm2_demo",
             f"model.target={smollm2_shaped_target(WORK / 'target')}", f"run.out_dir={out}", "run.overwrite=true",
@@ -62,7 +64,7 @@ def train(steps: int) -> Path:
             f"train.eval_every={EVAL_EVERY}", "train.eval_rows=4", f"train.checkpoint_every={CHECKPOINT_EVERY}",
             "train.final_eval_prompts=0", "model.num_draft_layers=5", "model.target_attention=flex",
             "model.target_graphs=true", "model.target_compile=default", "pipeline.target_devices=[cuda:0]",
-            "pipeline.drafter_devices=[cuda:0]"]
+            "pipeline.drafter_devices=[cuda:0]", *overrides]
     if os.environ.get("SMOKE"):  # the flow on a CPU in seconds: tiny shapes, nothing CUDA-only (no figures)
         args = [a for a in args if not a.startswith(("train.token_budget", "train.num_anchors", "model.target_",
                                                      "pipeline.", "model.num_draft_layers", "data.synthetic_"))]
@@ -86,6 +88,12 @@ def report(metrics: Path, log: Path, eval_every: int = EVAL_EVERY, checkpoint_ev
     print(f"median {med:,.0f} tokens/s over {len(windows)} windows of {LOG_EVERY} steps")
     within = [r for r in windows if abs(r["tokens_per_s"] / med - 1) <= 0.03]
     print(f"within 3% of the median: {len(within)} of {len(windows)}")
+    if rows_per_epoch:  # with a feature cache the later epochs run fewer target forwards than the first
+        for name, part in (("first epoch", [r for r in windows if r["step"] <= rows_per_epoch]),
+                           ("after the first epoch", [r for r in windows if r["step"] - LOG_EVERY >= rows_per_epoch])):
+            if part:
+                print(f"{name}: median {statistics.median(r['tokens_per_s'] for r in part):,.0f} tokens/s over "
+                      f"{len(part)} windows")
     print("step | tokens/s | vs median | validation s left out | what the window held")
     for r in windows:
         dev = r["tokens_per_s"] / med - 1
@@ -113,5 +121,5 @@ if __name__ == "__main__":
         report(Path(metrics), Path(log), *map(int, every))
     else:
         WORK.mkdir(parents=True, exist_ok=True)
-        out = train(int(sys.argv[1]) if len(sys.argv) > 1 else 3000)
+        out = train(int(sys.argv[1]) if len(sys.argv) > 1 else 3000, sys.argv[2:])
         report(out / "metrics.jsonl", WORK / "train.log")
