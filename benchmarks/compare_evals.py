@@ -32,7 +32,9 @@ def per_prompt(path: str, field: str = "tau") -> dict:
     if "replies" in report:  # validation_replies.json: replies without a key (synthetic data) cannot be paired
         pairs = [(str(r["key"]), r.get(field)) for r in report["replies"] if r["key"] is not None]
     else:
-        pairs = [(str(p.get("id", i)), p.get(field)) for i, p in enumerate(report["prompts"])]
+        # a prompt plain decoding did not run (`timed` false: eval --timed-prompts) has no baseline to compare
+        pairs = [(str(p.get("id", i)), None if field == "baseline" and not p.get("timed", True) else p.get(field))
+                 for i, p in enumerate(report["prompts"])]
     counts = Counter(k for k, _ in pairs)
     if field == "tau" and (dup := sorted(k for k, n in counts.items() if n > 1)):
         print(f"{path}: {len(dup)} id(s) held by several prompts, left out: {', '.join(dup[:5])}")
