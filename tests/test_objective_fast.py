@@ -293,3 +293,20 @@ def test_validation_through_the_training_graph_compiles_nothing_and_reads_the_sa
     for k in own:
         assert not through_training[k].requires_grad
         torch.testing.assert_close(through_training[k], own[k], rtol=1e-5, atol=1e-6)
+
+
+def test_flex_kernel_options_by_head_size():
+    """64-wide Triton tiles for heads of at most 64 on CUDA (measured faster at the demo's shape), flex's defaults
+    for larger heads (measured slower there) and on other devices (the CPU template takes no tile options)."""
+    from types import SimpleNamespace
+
+    from dflash_train.training.objective import SMALL_HEAD_KERNEL_OPTIONS, flex_kernel_options
+
+    def q(device, d):
+        return SimpleNamespace(device=torch.device(device), shape=(1, 9, 1024, d))
+    assert flex_kernel_options(q("cuda", 64)) == SMALL_HEAD_KERNEL_OPTIONS
+    assert flex_kernel_options(q("cuda", 32)) == SMALL_HEAD_KERNEL_OPTIONS
+    assert flex_kernel_options(q("cuda", 128)) is None
+    assert flex_kernel_options(q("cpu", 64)) is None
+    # every kernel tile divides the mask's 128-wide tiles
+    assert all(128 % v == 0 for v in SMALL_HEAD_KERNEL_OPTIONS.values())

@@ -216,13 +216,28 @@ def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: in
     return FlexMask(anchors, doc_first, (ctx | own) & ~full, full, T, B, tile)
 
 
+# Triton tile sizes of the drafter's flex kernels (forward BLOCK_M x BLOCK_N; backward M1/N1, M2/N2) for heads of
+# at most SMALL_HEAD_DIM, within the mask's 128-wide tiles. One layer's fwd + bwd at the GPU demo's shape (SmolLM2,
+# head 64, ~276-token documents; H100, 2026-12-06, benchmarks/gpu_flex_demo_attention.py): 0.906 ms with these
+# against 1.252 ms with the defaults (1.38x), the same outputs and gradients within bf16. At head 128 (Qwen3-8B,
+# benchmarks/gpu_flex_compile.py) the defaults are faster (4.86 ms against 8.05), so larger heads keep them.
+SMALL_HEAD_DIM = 64
+SMALL_HEAD_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
+                             "BLOCK_N2": 32}
+
+
+def flex_kernel_options(q: torch.Tensor) -> dict | None:
+    """The Triton kernel options for the drafter's flex attention on q [1, heads, L, d]; None: flex's defaults."""
+    return SMALL_HEAD_KERNEL_OPTIONS if q.device.type == "cuda" and q.shape[-1] <= SMALL_HEAD_DIM else None
+
+
 def _flex(q, k, v, block_mask):
     from torch.nn.attention.flex_attention import flex_attention
 
     # q/k/v arrive as [1, heads, L, d] views of [L, heads, d]; dense [1, heads, L, d] is the kernels' native layout
     # (inductor's CPU template rejects the views; compiled, the copy fuses into the RoPE kernel that writes them).
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True, kernel_options=flex_kernel_options(q))
 
 
 def _flex_block_attention(q, k, v, anchors, first, partial, full, context: int, block_size: int, tile: int):
