@@ -412,7 +412,9 @@ class RowFeatures:
     With host_budget_bytes (train.feature_cache_host_gb) the rows past the device's share are kept in host memory,
     as many as that holds, and copied back to the device for their batches: plain (pageable) memory, copied in the
     calling thread (the target worker, which waits for room in its queue most of the time while the drafter
-    trains); the copies are not yet timed on a GPU."""
+    trains). Timed on an H100 (docs/BENCHMARKS.md, "Feature cache"): rows served from host memory train as fast as
+    rows kept on the device, but the first epoch's copy out (pageable, ~40 ms a 45 MiB row in the worker) halves that
+    epoch's speed for the rows it copies."""
 
     CUDA_HEADROOM = 8 * 2**30
     HOST_HEADROOM = 8 * 2**30  # host memory left to the rest of the process and the machine
