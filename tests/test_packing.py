@@ -286,3 +286,42 @@ def test_row_features_spill_the_rows_past_the_device_budget_to_host_memory():
     for index in range(4):
         only_host(index, lambda: compute(index % 2))
     assert only_host.capacity == 0 and sorted(only_host.kept_host) == [0, 1] and only_host.computed == 2
+
+
+def test_row_features_copy_rows_out_in_the_background(monkeypatch):
+    """The copy to host memory runs in a thread of its own: the worker returns while it is still running, a later
+    pass gets the row back from it, and a failed copy raises in the worker rather than vanishing."""
+    import threading
+
+    from dflash_train.models import target as target_mod
+    from dflash_train.models.target import RowFeatures
+
+    row_bytes = 4 * 6 * 4
+    gate, names, real = threading.Event(), [], target_mod._host_copy
+
+    def held_copy(feats, ready, stream):
+        names.append(threading.current_thread().name)
+        assert gate.wait(timeout=60), "the test never opened the gate"
+        return real(feats, ready, stream)
+
+    monkeypatch.setattr(target_mod, "_host_copy", held_copy)
+    rows = RowFeatures(lambda index: index % 3, budget_bytes=0, host_budget_bytes=3 * row_bytes, name="target0")
+    for index in range(3):                       # the first pass returns with every copy still held at the gate
+        rows(index, lambda: torch.full((4, 6), float(index)))
+    assert sorted(rows.kept_host) == [0, 1, 2] and not any(f.done() for f in rows.kept_host.values())
+    gate.set()
+    for index in range(3, 6):                    # the second pass: every row from host memory, no forward
+        assert torch.equal(rows(index, lambda: None), torch.full((4, 6), float(index % 3)))
+    assert rows.computed == 3 and rows.served_host == 3
+    assert names and all(n.startswith("target0-copy-out") for n in names)
+    rows.release()
+
+    def failing_copy(feats, ready, stream):
+        raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(target_mod, "_host_copy", failing_copy)
+    monkeypatch.setattr(RowFeatures, "MAX_PENDING_COPIES", 0)   # every copy awaited at once: the error is the call's
+    rows = RowFeatures(lambda index: index, budget_bytes=0, host_budget_bytes=3 * row_bytes)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        rows(0, lambda: torch.zeros(4, 6))
+    rows.release()

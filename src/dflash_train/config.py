@@ -308,11 +308,10 @@ class TrainConfig:
                                       "tokens. With several target devices each keeps the rows it computed "
                                       "first.")
     feature_cache_host_gb: float = _f(0.0, "GiB of host memory (per target device) that keep the rows past "
-                                           "train.feature_cache_gb, copied back to the device for their batches in "
-                                           "the target worker's thread (plain memory, copied synchronously: later "
-                                           "epochs as fast as rows kept on the GPU, but the first epoch ~2x slower "
-                                           "for the rows it copies out, measured on an H100; capped at the memory "
-                                           "the OS reports available less 8 GiB). Fixes "
+                                           "train.feature_cache_gb, copied out by a background thread and back "
+                                           "to the device for their batches in the target worker's thread (plain "
+                                           "memory; on an H100 later epochs as fast as rows kept on the GPU; capped "
+                                           "at the memory the OS reports available less 8 GiB). Fixes "
                                            "the rows as feature_cache_gb does; either may be 0. 0 = off.")
     warmup_ratio: float = _f(0.04, "Fraction of steps spent in linear warm-up before the cosine decay.")
     min_lr_ratio: float = _f(0.0, "Cosine schedule ends at lr * min_lr_ratio.")

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -410,14 +412,16 @@ class RowFeatures:
     fresh one), so one tensor serves every batch of its row.
 
     With host_budget_bytes (train.feature_cache_host_gb) the rows past the device's share are kept in host memory,
-    as many as that holds, and copied back to the device for their batches: plain (pageable) memory, copied in the
-    calling thread (the target worker, which waits for room in its queue most of the time while the drafter
-    trains). Timed on an H100 (docs/BENCHMARKS.md, "Feature cache"): rows served from host memory train as fast as
-    rows kept on the device, but the first epoch's copy out (pageable, ~40 ms a 45 MiB row in the worker) halves that
-    epoch's speed for the rows it copies."""
+    as many as that holds: plain (pageable) memory, copied out by a background thread on a stream of its own and back
+    to the device in the calling thread (the target worker, which waits for room in its queue most of the time while
+    the drafter trains). Timed on an H100 (docs/BENCHMARKS.md, "Feature cache"): rows served from host memory train
+    as fast as rows kept on the device; the copy out, when the worker made it itself (~40 ms a 45 MiB row), halved
+    the first epoch's speed, hence the thread (at most MAX_PENDING_COPIES rows on their way out, each holding its
+    device tensor until copied)."""
 
     CUDA_HEADROOM = 8 * 2**30
     HOST_HEADROOM = 8 * 2**30  # host memory left to the rest of the process and the machine
+    MAX_PENDING_COPIES = 4     # rows being copied out to host memory at once; past that the worker waits
 
     def __init__(self, row_of, budget_bytes: float = 0, name: str = "target", host_budget_bytes: float = 0):
         self.row_of, self.budget_bytes, self.name = row_of, budget_bytes, name
@@ -425,8 +429,11 @@ class RowFeatures:
         self._row: int | None = None
         self._feats: torch.Tensor | None = None
         self.kept: dict[int, torch.Tensor] = {}
-        self.kept_host: dict[int, torch.Tensor] = {}  # rows past the device's share, in host memory
-        self._device: torch.device | None = None      # where the rows are computed (and host rows go back to)
+        self.kept_host: dict[int, Future] = {}  # rows past the device's share: their host copies (_copy_out)
+        self._copier: ThreadPoolExecutor | None = None
+        self._copy_stream = None                  # CUDA: the copier's stream
+        self._pending: deque[Future] = deque()    # copies out not yet known to be done, oldest first
+        self._device: torch.device | None = None  # where the rows are computed (and host rows go back to)
         self.capacity: int | None = None  # rows that may be kept on the device; decided by the first row's size
         self.host_capacity = 0            # rows that may be kept in host memory; decided with capacity
         self.computed = 0     # forwards run (tests count them)
@@ -442,7 +449,7 @@ class RowFeatures:
             self.served += 1
         elif (host := self.kept_host.get(row)) is not None:
             self._row, self._feats = None, None
-            feats = host.to(self._device)  # a fresh device tensor (a CPU run: the copy itself; rows are never written)
+            feats = host.result().to(self._device)  # a fresh device tensor (a CPU run: the copy; rows are never written)
             self.served += 1
             self.served_host += 1
         else:
@@ -454,9 +461,26 @@ class RowFeatures:
                 if len(self.kept) < self._capacity_for(feats):
                     self.kept[row] = feats
                 elif len(self.kept_host) < self.host_capacity:
-                    self.kept_host[row] = feats.to("cpu", copy=True)
+                    self.kept_host[row] = self._copy_out(feats)
         self._row, self._feats = row, feats
         return feats
+
+    def _copy_out(self, feats: torch.Tensor) -> Future:
+        """A host copy of feats, made by the copier thread once the work that computed feats (on the calling
+        thread's stream) is done; the caller goes on at once unless MAX_PENDING_COPIES copies are still running."""
+        if self._copier is None:
+            self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-copy-out")
+            if feats.device.type == "cuda":
+                self._copy_stream = torch.cuda.Stream(feats.device)
+        ready = None
+        if self._copy_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(feats.device))
+        copy = self._copier.submit(_host_copy, feats, ready, self._copy_stream)
+        self._pending.append(copy)
+        while self._pending and (self._pending[0].done() or len(self._pending) > self.MAX_PENDING_COPIES):
+            self._pending.popleft().result()  # waits only past the limit; a failed copy raises here
+        return copy
 
     def _capacity_for(self, feats: torch.Tensor) -> int:
         if self.capacity is None:
@@ -479,6 +503,9 @@ class RowFeatures:
     def release(self) -> None:
         """Drop every kept row (the end of training): what runs next in the process, the demo's measurement, gets the
         memory back even while something still refers to this object."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True, cancel_futures=True)
+            self._copier, self._pending = None, deque()
         self.kept.clear()
         self.kept_host.clear()
         self._row, self._feats = None, None
@@ -486,11 +513,20 @@ class RowFeatures:
     def summary(self) -> str:
         """One line for the end of the run: what the cache kept and saved."""
         kept = sum(t.numel() * t.element_size() for t in self.kept.values())
-        host = sum(t.numel() * t.element_size() for t in self.kept_host.values())
+        host = sum(t.numel() * t.element_size() for t in (f.result() for f in self.kept_host.values()))
         in_host = (f" + {len(self.kept_host)} in host memory ({host / 2**30:.1f} GiB; {self.served_host} rows served "
                    "from there)" if self.host_budget_bytes else "")
         return (f"{self.name}: feature cache kept {len(self.kept)} rows ({kept / 2**30:.1f} GiB){in_host}; "
                 f"{self.computed} target forwards, {self.served} rows served from the cache")
+
+
+def _host_copy(feats: torch.Tensor, ready, stream) -> torch.Tensor:
+    """feats -> a copy in (pageable) host memory, on `stream` after the `ready` event on CUDA: returns when done."""
+    if stream is None:
+        return feats.to("cpu", copy=True)
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        return feats.to("cpu", copy=True)
 
 
 class FeatureForward:
