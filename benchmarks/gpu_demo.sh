@@ -13,7 +13,8 @@
 #                 (train.feature_cache_host_gb), and against the same fixed rows with nothing kept
 #   cache_speed   the demo's training settings (benchmarks/gpu_windows.py: SmolLM2 shape, random weights, synthetic
 #                 rows) with every row's features kept on the GPU, every row in host memory, and nothing kept:
-#                 tokens/s after the first epoch (CACHE_STEPS steps each, default 1200)
+#                 tokens/s after the first epoch (CACHE_STEPS steps each, default 1200; CACHE_WHERE, default
+#                 "device host none", picks among them)
 #   check_val     the tiny pipeline with validation through the training graph, then through its own (same numbers)
 #   check_flex    the engine's flex decode attention, folded and grouped, timed; the engine in a worker thread
 #   check_anchors the tiny pipeline with train.anchor_sampling=decoding (anchors drawn on the device)
@@ -142,8 +143,9 @@ check_cache() {
 
 cache_speed() {
   local steps=${CACHE_STEPS:-1200} tiny=train.feature_cache_gb=0.000001 where
-  for where in "device train.feature_cache_gb=100" "host $tiny train.feature_cache_host_gb=40" "none $tiny"; do
-    set -- $where
+  declare -A how=([device]="train.feature_cache_gb=100" [host]="$tiny train.feature_cache_host_gb=40" [none]="$tiny")
+  for where in ${CACHE_WHERE:-device host none}; do
+    set -- $where ${how[$where]}
     banner "feature cache: $1"; shift
     timeout 400 python3 benchmarks/gpu_windows.py "$steps" model.num_draft_layers=8 train.eval_every=0 \
         train.checkpoint_every=0 "$@" 2>&1 | grep -E "rows .*per epoch|median|feature cache|within 3%|Error"
