@@ -127,6 +127,7 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     log.info(validator.summary(step, budget.elapsed_s))
     if cfg.train.keeps_features:
         log.info(rows.summary())
+        rows.release()  # the memory back, and the copier thread (host rows) ended
     if memory := peak_memory_line([device]):
         log.info(memory)
     log.info(f"done: {step} steps; servable drafter in {final}")
