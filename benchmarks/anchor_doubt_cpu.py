@@ -7,7 +7,7 @@ and compares p (the target's probability of each reply token given the ones befo
 p elsewhere. The basis of train.anchor_sampling=decoding (docs/DESIGN.md, "Anchors").
 
   PYTHONPATH=src python3 benchmarks/anchor_doubt_cpu.py docs/gpu-runs/2026-12-04-demo-m/validation_replies.json \\
-      .gpu/data/train_chats.jsonl.gz TARGET_DIR      # a converted SmolLM2 directory (runs/.cache/...-hf)
+      .gpu/data/train_chats.jsonl.gz TARGET_DIR      # a converted SmolLM2 directory (runs/.cache/...-hf2)
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ variant() {
   local v=$1 extra run=$S/runs/variant_$1
   extra=$(variant_args "$v") || return 2
   local target
-  target=$(ls -d $S/runs/.cache/*-hf | head -1)  # the GGUF as converted once by the demo's code
+  target=$(ls -d $S/runs/.cache/*-hf2 | head -1)  # the GGUF as converted once by the demo's code
   echo "=== $v ($(date +%T)): $extra"
   # shellcheck disable=SC2046  # the demo's overrides are single words (no spaces), split on purpose
   python3 -m dflash_train.cli train --config smollm2_demo model.target="$target" \

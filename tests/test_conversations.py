@@ -370,3 +370,42 @@ def test_load_dataset_end_to_end(tmp_path, tok, caplog):
     assert masked_runs(tok, split.train[0]) == ["a<|im_end|>"]
     assert split.stats["skipped"] == {"bad_json_line": 1}
     assert "21 train / 0 held-out" in caplog.text
+
+
+def test_the_embedded_target_tokenizes_digits_as_smollm2_does(tok):
+    """The converted SmolLM2 tokenizer keeps its own pre-tokenizer (each digit a piece of its own, then ByteLevel),
+    not the GPT-2 split transformers' GGUF conversion gives it: "\\n\\n" before a list's "1" is the one token the
+    model emits (1116), where the GPT-2 split made two "\\n" (198, 198), and a reply round-trips through text."""
+    ids = tok(":\n\n1. Apples", add_special_tokens=False)["input_ids"]
+    assert [tok.decode([i]) for i in ids][:3] == [":", "\n\n", "1"]
+    assert [tok.decode([i]) for i in tok(" 2021", add_special_tokens=False)["input_ids"]] == [" ", "2", "0", "2", "1"]
+    pieces = [tok.decode([i]) for i in tok("a\n\nThe b", add_special_tokens=False)["input_ids"]]
+    assert pieces == ["a", "\n", "\n", "The", " b"]  # no digit: the same split as GPT-2's (and the model's)
+
+
+def test_gguf_pre_tokenizer_restored_by_its_type(tmp_path):
+    """restore_gguf_pre_tokenizer reads `tokenizer.ggml.pre` and rebuilds the types it knows; others are left alone."""
+    from types import SimpleNamespace
+
+    from gguf import GGUFWriter
+
+    from dflash_train.models.target import GGUF_PRE_TOKENIZERS, restore_gguf_pre_tokenizer
+
+    def gguf_with_pre(name: str | None):
+        path = tmp_path / f"{name}.gguf"
+        w = GGUFWriter(str(path), "llama")
+        if name is not None:
+            w.add_string("tokenizer.ggml.pre", name)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+
+    for pre, changed in (("smollm", True), ("gpt2", False), (None, False)):
+        tokenizer = SimpleNamespace(backend_tokenizer=SimpleNamespace(pre_tokenizer="as converted"))
+        restore_gguf_pre_tokenizer(tokenizer, gguf_with_pre(pre))
+        got = tokenizer.backend_tokenizer.pre_tokenizer
+        assert (got != "as converted") == changed, pre
+        if changed:
+            assert pre in GGUF_PRE_TOKENIZERS and "Digits" in str(got.__getstate__())

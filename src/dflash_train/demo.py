@@ -97,7 +97,9 @@ SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "held out fro
 GPU_REFERENCE = ("On one H200 (2026-12-04), `dflash-train demo --device cuda` measured tau 3.79 (2.21x) on the "
                  "yardstick and 3.93 (2.32x) on held-out ShareGPT, lossless, in 18:26 with its data regenerated "
                  "(docs/BENCHMARKS.md, \"The GPU demo\").")
-HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf"
+# "-hf2": converted since the tokenizer keeps the GGUF's own pre-tokenizer (models/target.GGUF_PRE_TOKENIZERS); a
+# directory converted before would tokenize digits after whitespace differently, so it is not reused.
+HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf2"
 WARMUP_WAIT_S = 240  # after the regeneration, at most this long for the compile warm-up (training/warmup.py)
 
 
@@ -131,7 +133,7 @@ def local_embedded_target(cache_root: Path, gguf: str | None = None) -> Path:
     if gguf is None:
         dest = cache_root / HF_CACHE_NAME
     else:  # named after the file and its size, so that another file of the same name is converted afresh
-        dest = cache_root / f"{Path(gguf).stem}-{Path(gguf).stat().st_size}-hf"
+        dest = cache_root / f"{Path(gguf).stem}-{Path(gguf).stat().st_size}-hf2"
     if (dest / "config.json").is_file() and (dest / "tokenizer.json").is_file():
         return dest
     log.info(f"converting {gguf or 'the embedded SmolLM2 GGUF'} into {dest} (once; later runs load it in a second)")

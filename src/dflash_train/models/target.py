@@ -102,9 +102,40 @@ def load_tokenizer(target: str | None):
         raise TargetError(f"Target directory {str(path)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
                           "copy the model's tokenizer files (tokenizer.json, tokenizer_config.json) into it.")
     try:
-        return _from_pretrained(AutoTokenizer, path)
+        tokenizer = _from_pretrained(AutoTokenizer, path)
     except Exception as e:  # noqa: BLE001 - rewrap into one sentence, keep the cause chained
         raise TargetError(_damaged_weights(path) or f"Could not load a tokenizer from {str(path)!r}: {e}") from e
+    if path.is_file():
+        restore_gguf_pre_tokenizer(tokenizer, path)
+    return tokenizer
+
+
+def _digits_then_byte_level():
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True,
+                                                             use_regex=True)])
+
+
+# A GGUF names its tokenizer's pre-tokenizer by llama.cpp's type (`tokenizer.ggml.pre`), which transformers' GGUF
+# conversion does not read: it gives every BPE vocabulary GPT-2's ByteLevel split. For the types below that split is
+# not the model's own, and text tokenizes differently from what the model emits: SmolLM2 ("smollm") puts each digit
+# in its own piece first (its tokenizer.json: Sequence[Digits(individual_digits), ByteLevel]), so "\n\n1." is
+# "\n\n" + "1" + "." for the model but "\n" + "\n" + "1" + "." with GPT-2's split, and training data rendered
+# through that split held tokens the target never emits at every list after a blank line
+# (benchmarks/regen_drift_cpu.py). Each entry builds the model's own pre-tokenizer.
+GGUF_PRE_TOKENIZERS = {"smollm": _digits_then_byte_level}
+
+
+def restore_gguf_pre_tokenizer(tokenizer, gguf_path: Path) -> None:
+    """Give a tokenizer loaded from gguf_path its model's own pre-tokenizer (GGUF_PRE_TOKENIZERS), if it has one."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf_path).fields.get("tokenizer.ggml.pre")
+    pre = bytes(field.parts[-1]).decode() if field is not None else None
+    if pre in GGUF_PRE_TOKENIZERS:
+        tokenizer.backend_tokenizer.pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]()
 
 
 def _damaged_weights(path: Path) -> str | None:
