@@ -11,8 +11,8 @@ training would read, classifying every place they part:
   truncated   the reply hit max_new_tokens and training adds the end-of-turn token after it (a label the target
               did not emit there)
   whitespace  the reply ended in whitespace that the template's rendering dropped
-  token       the same text, tokenized differently: the target emitted a non-canonical token (e.g. "\\n\\n" as one
-              token before a digit, where the tokenizer splits it in two)
+  token       the same text, tokenized differently (until session 28, "\\n\\n" before a digit: SmolLM2's GGUF
+              tokenizer had lost its digit pre-tokenizer, models/target.GGUF_PRE_TOKENIZERS)
   text        a different text: the engine did not reproduce plain greedy decoding (a bug, in fp32)
 
   PYTHONPATH=src python3 benchmarks/regen_drift_cpu.py CHATS.jsonl[.gz] [N=24] [NEW_TOKENS=96]
