@@ -220,6 +220,21 @@ def test_loss_mask_is_exactly_assistant_content_and_end_of_turn(request, templat
         assert "<think>" in tokenizer.decode(sample.input_ids)  # present in the input, outside the mask
 
 
+@pytest.mark.parametrize("template", ["smollm2", "qwen_marked", "qwen3_plain"])
+def test_a_truncated_reply_trains_no_end_of_turn(request, template):
+    """A regenerated reply cut at max_new_tokens ("truncated") keeps its content in the loss but not the end-of-turn
+    token the template closes it with (the target never emitted it there); the other replies keep theirs."""
+    tokenizer = request.getfixturevalue("tok" if template == "smollm2" else template)
+    messages = [dict(m) for m in CHAT]
+    messages[2]["truncated"] = True
+    (sample,) = ChatEncoder(tokenizer, max_length=4096).encode([messages])
+    assert masked_runs(tokenizer, sample) == ["4.", "It is 6.\nDone.<|im_end|>"]
+    messages[2].pop("truncated")
+    messages[4]["truncated"] = True
+    (sample,) = ChatEncoder(tokenizer, max_length=4096).encode([messages])
+    assert masked_runs(tokenizer, sample) == ["4.<|im_end|>", "It is 6.\nDone."]
+
+
 def test_span_search_agrees_with_generation_markers_on_sharegpt(tok):
     """The span search (SmolLM2's plain template) against the template's own markers, on real ShareGPT chats."""
     reference = ChatEncoder(_with_template(tok, CHATML_MARKED), max_length=2048)

@@ -384,3 +384,44 @@ def test_a_second_regeneration_pass_reuses_the_engine_and_writes_the_same(chat_t
     assert built.fits(hf, 3, 256, stops, built.pad_id)
     assert not built.fits(load_causal_lm(chat_target, torch.device("cpu")), 3, 256, stops, built.pad_id)
     assert not built.fits(hf, 3, 256, stops + [5], built.pad_id) and not built.fits(hf, 3, 255, stops, built.pad_id)
+
+
+def test_a_reply_cut_at_max_new_tokens_is_marked_truncated(chat_target, tmp_path):
+    """A reply that ends without a stop token (max_new_tokens reached) is written with "truncated": true, one that
+    ends with its stop token is not, and the mark survives reading the file back (training then leaves that reply's
+    end-of-turn token out of the loss: tests/test_conversations.py)."""
+    from types import SimpleNamespace
+
+    from tqdm import tqdm
+
+    from dflash_train.generation.regenerate import (RegenerateSettings, RegenerateStats, Regenerator,
+                                                    iter_source_records)
+    from dflash_train.models.target import load_tokenizer
+
+    tok = load_tokenizer(chat_target)
+    stop = tok.eos_token_id
+    words = tok("alpha beta gamma", add_special_tokens=False)["input_ids"]
+
+    class ScriptedEngine:  # the engine as Regenerator uses it: every other request ends with its stop token
+        def fits(self, *args):
+            return True
+
+        def run(self, requests, on_done, stop_event):
+            for i, req in enumerate(requests):
+                on_done(req, words + [stop] if i % 2 == 0 else words)
+            return SimpleNamespace(row_steps=0, prefill_tokens=0)
+
+    data = write_chats(tmp_path / "chats.jsonl", 4)
+    settings = RegenerateSettings(str(data), chat_target, len(words), 0.0, True, 256)
+    regen = Regenerator(None, tok, settings, 2, [stop], engine=ScriptedEngine())
+    written = []
+    items = [(rid, conv, True) for rid, conv in iter_source_records(str(data), Counter())]
+    with tqdm(disable=True) as bar:
+        regen.run(items, written.append, lambda: None, RegenerateStats(), bar)
+    replies = [r["messages"][-1] for r in written]
+    assert len(replies) == 4 and sum(bool(m.get("truncated")) for m in replies) == 2
+    assert all(m.get("truncated") in (None, True) for m in replies)
+    out = tmp_path / "out.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in written))
+    read_back = [c.messages[-1] for c in iter_conversations(out, Counter())]
+    assert [m.get("truncated", False) for m in read_back] == [bool(m.get("truncated")) for m in replies]

@@ -37,7 +37,7 @@ __all__ = ["ChatEncoder", "DataError", "is_heldout", "load_chat_dataset"]
 log = logging.getLogger("dflash_train")
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-CACHE_VERSION = 1    # bump when the sample format or the masking rule changes
+CACHE_VERSION = 2    # bump when the sample format or the masking rule changes
 ENCODE_BATCH = 64    # conversations per tokenizer call: the fast tokenizer parallelises over a batch
 AUTO_WORKERS_MIN_BYTES = 16 * 2**20  # data.tokenize_workers=auto: smaller files tokenize in this process
 AUTO_WORKERS_MAX = 8
@@ -102,7 +102,28 @@ class ChatEncoder:
                                                      return_assistant_tokens_mask=True)
         except jinja2.TemplateError:
             return "template_error"
-        return self._finish(list(enc["input_ids"]), [bool(x) for x in enc["assistant_masks"]])
+        ids, mask = list(enc["input_ids"]), [bool(x) for x in enc["assistant_masks"]]
+        return self._finish(ids, self._unmask_cut_ends(messages, ids, mask))
+
+    def _unmask_cut_ends(self, messages: list[dict], ids: list[int], mask: list[bool]) -> list[bool]:
+        """The template's assistant mask with the end-of-turn token of each reply marked "truncated" left out: the
+        regeneration cut that reply at max_new_tokens, so the target never emitted that token there. The masked
+        runs are the assistant turns in order; a run's end-of-turn is its last token when that is special."""
+        cut = [bool(m.get("truncated")) for m in messages if m["role"] == "assistant"]
+        if not any(cut):
+            return mask
+        runs, t = [], 0
+        while t < len(mask):
+            if mask[t]:
+                start = t
+                while t < len(mask) and mask[t]:
+                    t += 1
+                runs.append((start, t))
+            t += 1
+        for (start, end), is_cut in zip(runs, cut):
+            if is_cut and ids[end - 1] in self.special_ids:
+                mask[end - 1] = False
+        return mask
 
     def _encode_spans(self, messages: list[dict], text: str, ids: list[int],
                       offsets: list[tuple[int, int]]) -> Sample | str:
@@ -127,15 +148,17 @@ class ChatEncoder:
             if start < 0:
                 return "assistant_content_not_in_template_output"  # the template rewrites content
             cursor = start + len(m["content"])
-            spans.append((start, cursor))
+            spans.append((start, cursor, bool(m.get("truncated"))))
         mask = [False] * len(ids)
         t = 0
-        for start, end in spans:
+        for start, end, cut in spans:
             while t < len(ids) and offsets[t][1] <= start:
                 t += 1
             while t < len(ids) and offsets[t][0] < end:  # every token overlapping the content
                 mask[t] = True
                 t += 1
+            if cut:  # a reply cut at max_new_tokens: the target did not end its turn there (_unmask_cut_ends)
+                continue
             # The end-of-turn token: the first special token after the content, only whitespace in between.
             u = t
             while u < len(ids) and ids[u] not in self.special_ids and not text[offsets[u][0]:offsets[u][1]].strip():

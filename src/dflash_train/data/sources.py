@@ -141,7 +141,7 @@ def normalise_record(record: Any, index: int, counts: Counter) -> Conversation |
         if role == "assistant" and not any(m["role"] == "user" for m in messages):
             counts["leading_assistant_turns_dropped"] += 1  # nothing to answer: usually a split-off tail
             continue
-        messages.append({"role": role, "content": content})
+        messages.append(turn)
     # Trailing non-assistant turns carry no loss and condition nothing after them: pure padding, dropped.
     while messages and messages[-1]["role"] != "assistant":
         messages.pop()
@@ -166,7 +166,10 @@ def read_turn(turn: Any) -> dict | str:
     if content is None:
         return "non_text_content"
     # Stripped so that templates which trim content and templates which don't tokenize the same text.
-    return {"role": role, "content": content.strip()}
+    out = {"role": role, "content": content.strip()}
+    if role == "assistant" and turn.get("truncated") is True:  # a regenerated reply cut at max_new_tokens
+        out["truncated"] = True
+    return out
 
 
 TEXT_PARTS = ("text", "input_text", "output_text")  # chat completions, and the responses API's two names
@@ -192,7 +195,8 @@ def _record_key(record: dict, messages: list[dict], index: int) -> str:
         rid = re.sub(r"_s\d+$", "", str(rid)) or str(rid)
         base, sep, tail = rid.rpartition("_")
         return base if sep and base and tail.isdigit() else str(rid)
-    return hashlib.sha1(json.dumps(messages, sort_keys=True).encode()).hexdigest()
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages]  # a reply's "truncated" mark aside
+    return hashlib.sha1(json.dumps(turns, sort_keys=True).encode()).hexdigest()
 
 
 def _iter_jsonl(f: TextIO, counts: Counter) -> Iterator[Any]:

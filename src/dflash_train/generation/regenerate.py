@@ -141,8 +141,10 @@ class _Chat:
             self.next += 1
         return self.next < len(self.source)
 
-    def add_reply(self, text: str) -> None:
-        self.messages.append({"role": "assistant", "content": text})
+    def add_reply(self, text: str, cut: bool = False) -> None:
+        """cut: the reply reached max_new_tokens without its end-of-turn token (marked "truncated": training then
+        leaves that token out of the loss, data/conversations.py, since the target did not emit it there)."""
+        self.messages.append({"role": "assistant", "content": text, **({"truncated": True} if cut else {})})
         self.next += 1  # the original answer is replaced, never shown to the target
         self.replies += 1
 
@@ -325,7 +327,7 @@ class Regenerator:
             if not text:  # an empty turn would be dropped by the reader and break the turn order
                 finish(chat, "empty_reply")
             else:
-                chat.add_reply(text)
+                chat.add_reply(text, cut=not tokens or tokens[-1] not in self.stop_ids)
                 follow = request(chat)
                 if follow is not None:
                     engine.submit(follow)
