@@ -178,11 +178,11 @@ class EvalReport:
             out.append(sum(a - 1 >= k for a in steps) / reached if reached else None)
         return out
 
-    def _rate(self, attr_tokens: str, attr_s: str) -> tuple[float | None, float | None]:
-        """(tokens per second, milliseconds per token) over the prompts that ran (plain decoding: the timed ones)."""
-        ran = [p for p in self.prompts if p.timed or attr_tokens == "speculative"]
-        tokens = sum(len(getattr(p, attr_tokens)) for p in ran)
-        seconds = sum(getattr(p, attr_s) for p in ran)
+    @staticmethod
+    def _rate(prompts: list[PromptReport], attr_tokens: str, attr_s: str) -> tuple[float | None, float | None]:
+        """(tokens per second, milliseconds per token) over `prompts`."""
+        tokens = sum(len(getattr(p, attr_tokens)) for p in prompts)
+        seconds = sum(getattr(p, attr_s) for p in prompts)
         if not tokens or not seconds:
             return None, None
         return tokens / seconds, 1000 * seconds / tokens
@@ -205,8 +205,9 @@ class EvalReport:
         return None
 
     def summary(self) -> dict:
-        base_tps, base_ms = self._rate("baseline", "baseline_s")
-        spec_tps, spec_ms = self._rate("speculative", "speculative_s")
+        # plain decoding ran on the timed prompts only, speculative decoding on all (module docstring)
+        base_tps, base_ms = self._rate([p for p in self.prompts if p.timed], "baseline", "baseline_s")
+        spec_tps, spec_ms = self._rate(self.prompts, "speculative", "speculative_s")
         s = {
             "num_prompts": len(self.prompts), "block_size": self.block_size, "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens, "device": self.device, "dtype": self.dtype,
