@@ -271,29 +271,38 @@ def profile_drafter() -> None:
     without CUDA graphs (a graph replays as one opaque launch), and from `eager` where named."""
     import harness
     from cases import DrafterRig, train_batches
+    from dflash_train.training import objective
 
     suite = harness.SUITES["gpu-smollm2"]
     ctx = harness.Context(suite)
     batches, _ = train_batches(ctx, suite=suite)
+
+    # PROFILE_TILES: the flex kernels' tile sizes, "product" (objective.flex_kernel_options, as trained) and/or
+    # "default" (flex's own), each compiled afresh, so that one run gives the ratio on one card.
+    product_options = objective.flex_kernel_options
+    tile_choices = {"product": product_options, "default": lambda q: None}
     with torch.enable_grad():
-        for arch in os.environ.get("PROFILE_ARCHS", "dflash dflash2").split():
-            for mode in os.environ.get("PROFILE_MODES", "reduce-overhead default").split():
-                rig = DrafterRig(ctx, mode, "flex", tag=f"profile-{arch}-{mode}", suite=suite, architecture=arch)
-                feats = torch.randn(suite.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size,
-                                    device=ctx.device, dtype=suite.dtype)
-                calls = itertools.count()
+        for arch, mode, tiles in itertools.product(os.environ.get("PROFILE_ARCHS", "dflash dflash2").split(),
+                                                   os.environ.get("PROFILE_MODES", "reduce-overhead default").split(),
+                                                   os.environ.get("PROFILE_TILES", "product").split()):
+            objective.flex_kernel_options = tile_choices[tiles]
+            torch._dynamo.reset()
+            rig = DrafterRig(ctx, mode, "flex", tag=f"profile-{arch}-{mode}-{tiles}", suite=suite, architecture=arch)
+            feats = torch.randn(suite.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size,
+                                device=ctx.device, dtype=suite.dtype)
+            calls = itertools.count()
 
-                def step():
-                    rig.fwd_bwd(batches[next(calls) % len(batches)], feats)
-                    rig.optim()
+            def step():
+                rig.fwd_bwd(batches[next(calls) % len(batches)], feats)
+                rig.optim()
 
-                ms = timed(step, 10)
-                print(f"drafter step {arch}, {mode}: {ms:.2f} ms = {1e3 / ms:.1f} steps/s of {suite.token_budget} "
-                      f"tokens x {suite.num_anchors} anchors")
-                if mode != "reduce-overhead":
-                    top_kernels(step, f"drafter step {arch} ({mode})", rows=25)
-                rig = None
-                torch.cuda.empty_cache()
+            ms = timed(step, 10)
+            print(f"drafter step {arch}, {mode}, {tiles} tiles: {ms:.2f} ms = {1e3 / ms:.1f} steps/s of "
+                  f"{suite.token_budget} tokens x {suite.num_anchors} anchors")
+            if mode != "reduce-overhead":
+                top_kernels(step, f"drafter step {arch} ({mode})", rows=25)
+            rig = None
+            torch.cuda.empty_cache()
 
 
 def profile_flexstep() -> None:
