@@ -272,38 +272,37 @@ def test_demo_gpu_settings_are_a_valid_config(chat_target, tmp_path):
     assert cfg.pipeline.target_devices == cfg.pipeline.drafter_devices == ["cuda:0"]
 
 
-def test_the_gpu_demo_fits_its_training_into_twenty_minutes():
-    """Training gets what the data step leaves of the demo's 20 minutes: the configured 10.5 minutes after the data
-    step of the H200 runs (313 s in demo-j), less after a slow one, so that what follows still ends in time."""
-    from dflash_train.demo import BEFORE_FIRST_STEP_S, DEMO_MINUTES, EVALUATION_S, MIN_TRAINING_MINUTES
-    from dflash_train.demo import fitted_training_minutes as fitted
+def test_the_gpu_demo_ends_its_training_in_time_for_twenty_minutes():
+    """Training ends at a deadline: DEMO_MINUTES after the start less the evaluation's allowance, whenever the data
+    step ended; after a very slow one, still MIN_TRAINING_MINUTES of steps (monotonic readings are arguments: no
+    clock is read)."""
+    from dflash_train.demo import (BEFORE_FIRST_STEP_S, DEMO_MINUTES, EVALUATION_S, MIN_TRAINING_MINUTES,
+                                   training_deadline)
 
     assert DEMO_MINUTES <= 20
-    assert fitted(10.5, 313.0) == 10.5
-    for spent in (400.0, 500.0, 700.0):  # seconds before training (arithmetic on constants: no clock is read)
-        assert fitted(10.5, spent) < 10.5
-        demo_end_min = (spent + BEFORE_FIRST_STEP_S + EVALUATION_S) / 60 + fitted(10.5, spent)
-        assert demo_end_min <= DEMO_MINUTES + 0.01  # training minutes are rounded to 0.01
-    assert fitted(10.5, 400.0) > fitted(10.5, 500.0)
-    assert fitted(10.5, 1200.0) == MIN_TRAINING_MINUTES  # past the target: a short run, not none
+    started = 1000.0
+    for spent in (313.0, 400.0, 700.0):  # seconds before training
+        end_by = training_deadline(started, started + spent)
+        assert end_by + EVALUATION_S == pytest.approx(started + 60 * DEMO_MINUTES)  # the evaluation ends in time
+    assert (training_deadline(started, started + 313.0) - started - 313.0 - BEFORE_FIRST_STEP_S) / 60 > 11.5  # demo-j
+    late = started + 1200.0  # past the 20 minutes already: a short run, not none
+    assert training_deadline(started, late) == late + BEFORE_FIRST_STEP_S + 60 * MIN_TRAINING_MINUTES
 
 
-def test_a_minutes_override_is_a_ceiling_and_only_minutes_lifts_the_fit(chat_target, tmp_path):
-    """On a GPU, train.max_minutes=M given as an override is a ceiling the 20-minute fit still applies to;
-    `--minutes M` is the budget itself; a CPU demo is never fitted (elapsed seconds are arguments: no clock)."""
-    from dflash_train.demo import build_demo_config, fit_training_budget, fitted_training_minutes
+def test_only_a_gpu_demo_without_minutes_gets_a_deadline(chat_target, tmp_path):
+    """On a GPU the demo's training gets the deadline, an override of train.max_minutes staying its ceiling (the
+    config is left as it is); `--minutes M` is the budget itself, and a CPU demo promises no wall time."""
+    from dflash_train.demo import build_demo_config, training_deadline, training_end_by
 
     def cfg(minutes=None, overrides=()):
         return build_demo_config(torch.device("cuda", 0), minutes, str(tmp_path / "demo"),
                                  [f"model.target={chat_target}", *overrides])
 
     ceiling = cfg(overrides=["train.max_minutes=12"])
-    after_data_step = 313.0                                   # demo-j's seconds before training
-    fitted = fit_training_budget(ceiling, "cuda", None, after_data_step).train.max_minutes
-    assert fitted == fitted_training_minutes(12.0, after_data_step) < 12.0
-    assert fit_training_budget(ceiling, "cuda", None, 100.0).train.max_minutes == 12.0   # room for all of it
-    assert fit_training_budget(cfg(minutes=12.0), "cuda", 12.0, after_data_step).train.max_minutes == 12.0
-    assert fit_training_budget(ceiling, "cpu", None, after_data_step).train.max_minutes == 12.0
+    assert ceiling.train.max_minutes == 12.0
+    assert training_end_by(ceiling, "cuda", None, 0.0, 313.0) == training_deadline(0.0, 313.0)
+    assert training_end_by(cfg(minutes=12.0), "cuda", 12.0, 0.0, 313.0) is None
+    assert training_end_by(ceiling, "cpu", None, 0.0, 313.0) is None
 
 
 def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys, monkeypatch):

@@ -122,6 +122,25 @@ def test_time_budget_share_is_the_deciders_reading_one_step_back():
     assert budget.spent_share(12) >= 0.5 and budget.spent_share(5) == 0.0  # only recent readings are kept
 
 
+def test_a_deadline_shortens_the_time_budget_and_never_lengthens_it(monkeypatch):
+    from dflash_train.training import budget as budget_module
+
+    now = 5000.0  # the budget's clock, set by the test (no real clock is read)
+    monkeypatch.setattr(budget_module.time, "monotonic", lambda: now)
+    budget = TimeBudget(13.0)
+    budget.start(end_by=now + 60.0)        # a minute left to the deadline: the budget is that minute
+    assert budget.max_s == 60.0
+    budget = TimeBudget(1.0)
+    budget.start(end_by=now + 600.0)       # ten minutes left: train.max_minutes stays the ceiling
+    assert budget.max_s == 60.0
+    budget = TimeBudget(1.0)
+    budget.start(end_by=now - 5.0)         # already past it: no time at all, not a negative budget
+    assert budget.max_s == 0.0 and budget.should_stop(1) and budget.spent_share(2) == 1.0
+    budget = TimeBudget(None)
+    budget.start(end_by=now + 60.0)        # no train.max_minutes (a rank other than 0): no clock
+    assert budget.max_s is None and not budget.should_stop(1)
+
+
 @pytest.mark.parametrize("replicas", [0, 1, 2])  # 0: the single-device loop
 def test_lr_follows_the_clock_and_replicas_stay_identical(tiny_llama, tmp_path, replicas):
     from dflash_train.pipeline.coordinator import train_pipeline
@@ -139,3 +158,17 @@ def test_lr_follows_the_clock_and_replicas_stay_identical(tiny_llama, tmp_path, 
     assert lrs == sorted(lrs, reverse=True)                      # decays with the time
     # Stopped by the clock far before the epochs' steps: by steps alone the LR would still be at its peak.
     assert total < 0.5 * 10000 and lrs[-1] < 0.25 * cfg.train.lr, (total, lrs[-3:])
+
+
+def test_the_pipeline_ends_its_training_at_the_callers_deadline(tiny_llama, tmp_path):
+    """train_pipeline(end_by=...) (the GPU demo's deadline) reaches the run's clock: a deadline already past stops
+    the run after its first step, where train.max_minutes alone would train on for half a minute."""
+    import time
+
+    from dflash_train.pipeline.coordinator import train_pipeline
+
+    cfg = load_config("tiny_cpu", [f"model.target={tiny_llama}", f"run.out_dir={tmp_path / 'run'}",
+                                   "train.max_steps=null", "train.epochs=10000", "train.max_minutes=0.5",
+                                   "train.log_every=1", "pipeline.drafter_devices=['cpu']"])
+    res = train_pipeline(cfg, end_by=time.monotonic() - 1.0)
+    assert res.history[-1]["step"] == 1

@@ -39,7 +39,7 @@ log = logging.getLogger("dflash_train")
 RECIPE = "smollm2_demo"
 # One H200: ~4 minutes of regeneration (the first answer of every ShareGPT conversation, then 100,000 prompts the
 # target writes itself; at most 7 minutes; 4:15 in demo-m, 2026-12-04) while a child process compiles the training
-# step (training/warmup.py), then what the 20 minutes leave to training (~12 minutes, fit_training_budget; 10.5 in
+# step (training/warmup.py), then what the 20 minutes leave to training (~12 minutes, training_deadline; 10.5 in
 # demo-m), its LR schedule following the clock (training/optim.py, follows_clock) over at most 10 epochs of the data
 # (~5 in demo-m); the drafter's 8 layers start as copies of the
 # target's last ones (model.drafter_layer_init); 8,192-token rows with 1,024 anchors, the target's forward compiled
@@ -54,36 +54,39 @@ GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenera
                  "train.final_eval_prompts=0", "train.feature_cache_gb=120",
                  "model.num_draft_layers=8", "model.drafter_layer_init=target", "model.target_attention=flex",
                  "model.target_graphs=true", "model.target_compile=default"]
-# The GPU demo's promise is the whole command in 20 minutes on one H200. Training gets what the data step leaves:
-# DEMO_MINUTES minus the time so far and what still follows the training budget (demo-j, 2026-12-03: 63 s from the
-# regeneration's end to the first step; the evaluation, 143 s in demo-j with plain decoding on every prompt, is
-# predicted at ~80 s with plain decoding timed on 16 prompts a set, EVAL_PLAN). On an H200 that leaves ~12 minutes;
-# train.max_minutes (13) is only a ceiling. Where the regeneration runs slower, the training is cut, not the promise.
+# The GPU demo's promise is the whole command in 20 minutes on one H200. Its training ends at a deadline: DEMO_MINUTES
+# after the command started, less what the evaluation is allowed (EVALUATION_S: 143 s in demo-j with plain decoding
+# on every prompt, predicted ~80 s with plain decoding timed on 16 prompts a set, EVAL_PLAN). The budget is set when
+# the first step runs (TimeBudget.start), so the minutes between the data step and the first step (61 s in demo-m,
+# 2026-12-04: tokenizing, loading the compiled step) are never guessed: whatever they take, training ends on time,
+# and what they do not take goes to training. On an H200 that leaves ~12 minutes; train.max_minutes (13) is only a
+# ceiling. Where the regeneration runs slower, the training is cut, not the promise, down to MIN_TRAINING_MINUTES
+# after a first step predicted BEFORE_FIRST_STEP_S after the data step.
 DEMO_MINUTES = 19.75
 BEFORE_FIRST_STEP_S, EVALUATION_S = 75.0, 100.0
 MIN_TRAINING_MINUTES = 1.0
 
 
-def fitted_training_minutes(configured: float, elapsed_s: float) -> float:
-    """train.max_minutes for a GPU demo that has spent elapsed_s so far: the configured budget, or less when the
-    rest of the run would otherwise end past DEMO_MINUTES (never under MIN_TRAINING_MINUTES)."""
-    left_s = 60 * DEMO_MINUTES - elapsed_s - BEFORE_FIRST_STEP_S - EVALUATION_S
-    return max(MIN_TRAINING_MINUTES, min(configured, round(left_s / 60, 2)))
+def training_deadline(started: float, now: float) -> float:
+    """The time.monotonic() reading by which a GPU demo that started at `started` and ended its data step at `now`
+    ends its training: DEMO_MINUTES after the start less EVALUATION_S, or MIN_TRAINING_MINUTES of steps after the
+    predicted first step where that is later."""
+    return max(started + 60 * DEMO_MINUTES - EVALUATION_S, now + BEFORE_FIRST_STEP_S + 60 * MIN_TRAINING_MINUTES)
 
 
-def fit_training_budget(cfg: Config, kind: str, minutes: float | None, elapsed_s: float) -> Config:
-    """The GPU demo's config with train.max_minutes fitted to what DEMO_MINUTES leave after elapsed_s. The
-    configured minutes (an override included) are a ceiling; `--minutes` (minutes) sets the budget and lifts the
-    fit, and a CPU demo is not fitted (it promises no wall time)."""
+def training_end_by(cfg: Config, kind: str, minutes: float | None, started: float, now: float) -> float | None:
+    """The deadline train_pipeline ends the demo's training by (training_deadline), or None: a CPU demo promises
+    no wall time, and `--minutes` sets the training budget itself. The configured train.max_minutes (an override
+    included) stays the ceiling."""
     if kind != "cuda" or minutes is not None:
-        return cfg
-    fitted = fitted_training_minutes(cfg.train.max_minutes, elapsed_s)
-    if fitted < cfg.train.max_minutes:
-        log.info(f"demo: {elapsed_s:.0f} s spent before training; training {fitted:.2f} minutes (at most "
-                 f"{cfg.train.max_minutes}) so that the demo ends within {DEMO_MINUTES} (--minutes sets the training "
-                 "budget and lifts this limit)")
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_minutes=fitted))
-    return cfg
+        return None
+    end_by = training_deadline(started, now)
+    steps_min = (end_by - now - BEFORE_FIRST_STEP_S) / 60
+    log.info(f"demo: {now - started:.0f} s spent before training; training ends {end_by - now:.0f} s from now, "
+             f"~{min(steps_min, cfg.train.max_minutes):.1f} minutes of steps (at most train.max_minutes="
+             f"{cfg.train.max_minutes:g}), so that the demo ends within {DEMO_MINUTES} minutes (--minutes sets the "
+             "training budget and lifts this limit)")
+    return end_by
 
 
 # What each device evaluates: (prompt set, prompts, new tokens per prompt, prompts plain decoding runs on for the
@@ -199,7 +202,7 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
     from .training.startup import rebase_cold_start, use_compile_cache
     from .training.warmup import CompileWarmup, wants_warmup
 
-    t_start = time.perf_counter()
+    t_start, started = time.perf_counter(), time.monotonic()
     dev = parse_device(device, "--device")
     cfg = build_demo_config(dev, minutes, out, list(overrides))
     if prompts is not None:  # checked now, not after the training
@@ -224,10 +227,10 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
     else:
         cfg, regen = regenerate_demo_data(cfg, tokenizer)
     phases["regenerate"] = time.perf_counter() - t0
-    cfg = fit_training_budget(cfg, kind, minutes, time.perf_counter() - t_start)
+    end_by = training_end_by(cfg, kind, minutes, started, time.monotonic())
 
     t0 = time.perf_counter()
-    result = train_pipeline(cfg)
+    result = train_pipeline(cfg, end_by=end_by)
     phases["train"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()

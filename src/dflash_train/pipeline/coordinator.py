@@ -71,7 +71,9 @@ class PipelineResult(TrainResult):
     target_forwards: list[int] = field(default_factory=list)            # [target worker]: rows it computed
 
 
-def train_pipeline(cfg: Config) -> PipelineResult:
+def train_pipeline(cfg: Config, end_by: float | None = None) -> PipelineResult:
+    """Train a drafter with the pipeline. end_by: a time.monotonic() reading by which the training steps must end
+    (TimeBudget.start; the GPU demo's deadline), None: train.max_minutes alone."""
     configure_cudagraphs()  # the compile policy for steps in worker threads, before anything compiles
     # Under torchrun, join the other processes before anything can fail: whatever fails below then reaches them.
     with DistributedSync.from_env(cfg.pipeline.stall_timeout_s) as peers:
@@ -101,7 +103,7 @@ def train_pipeline(cfg: Config) -> PipelineResult:
         # The processes of one node share its cores as well.
         with hold_run_dir(out), run_log_file(out, log_name), \
                 cpu_thread_budget((target_devices + drafter_devices) * peers.local_world):
-            return _Pipeline(resolved, target_devices, drafter_devices, faults, peers, out).run()
+            return _Pipeline(resolved, target_devices, drafter_devices, faults, peers, out, end_by).run()
 
 
 class _Pipeline:
@@ -109,8 +111,9 @@ class _Pipeline:
     objects it needs passed in); run() starts them in order, supervises, stops them and writes the final drafter."""
 
     def __init__(self, cfg: Config, target_devices, drafter_devices, faults: FaultPlan | None,
-                 peers: DistributedSync, out_dir: Path):
+                 peers: DistributedSync, out_dir: Path, end_by: float | None = None):
         self.cfg, self.n, self.peers, self.faults = cfg, len(drafter_devices), peers, faults
+        self.end_by = end_by
         self.control = RunControl(faults)
         self.phase = "startup"
         self._thread = threading.current_thread()
@@ -262,7 +265,7 @@ class _Pipeline:
             self.phase = "steady"
             self.guard.arm()
             self.reporter.restart_window()
-            self.budget.start()
+            self.budget.start(self.end_by)
             self.prefetch.start()
             self.loader.start()
             # Out of time (train.max_minutes), the drafters stop early; _shutdown then stops the stages feeding them.

@@ -30,9 +30,15 @@ class TimeBudget:
         self.stop_after: int | None = None  # written once by the decider; a plain int, read by the other threads
         self._shares: dict[int, float] = {}  # steps done -> share of the budget spent then (decider's, recent only)
 
-    def start(self) -> None:
-        """Restart the clock (call when the first training step is about to run)."""
+    def start(self, end_by: float | None = None) -> None:
+        """Restart the clock (call when the first training step is about to run). end_by: a time.monotonic() reading
+        by which training must end (the GPU demo's 20 minutes): the budget becomes the time left until then where
+        that is shorter, so the LR schedule that follows the clock ends then too."""
         self.t0 = time.monotonic()
+        if end_by is not None and self.max_s is not None and end_by - self.t0 < self.max_s:
+            configured, self.max_s = self.max_s, max(0.0, end_by - self.t0)
+            log.info(f"time budget: {self.max_s / 60:.2f} min, the time left to the run's deadline "
+                     f"(train.max_minutes={configured / 60:g} is the ceiling)")
 
     @property
     def elapsed_s(self) -> float:
@@ -41,7 +47,7 @@ class TimeBudget:
     def should_stop(self, steps_done: int, decider: bool = True) -> bool:
         """Called by every replica after each completed step (steps_done counts them)."""
         if decider and self.max_s is not None:
-            self._shares[steps_done] = min(1.0, self.elapsed_s / self.max_s)
+            self._shares[steps_done] = min(1.0, self.elapsed_s / self.max_s) if self.max_s > 0 else 1.0
             self._shares.pop(steps_done - 4, None)
         if decider and self.stop_after is None and self.max_s is not None and self.elapsed_s >= self.max_s:
             self.stop_after = steps_done + self.lag
