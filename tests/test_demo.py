@@ -303,6 +303,7 @@ def test_only_a_gpu_demo_without_minutes_gets_a_deadline(chat_target, tmp_path):
     assert training_end_by(ceiling, "cuda", None, 0.0, 313.0) == training_deadline(0.0, 313.0)
     assert training_end_by(cfg(minutes=12.0), "cuda", 12.0, 0.0, 313.0) is None
     assert training_end_by(ceiling, "cpu", None, 0.0, 313.0) is None
+    assert training_end_by(cfg(overrides=["train.max_minutes=null"]), "cuda", None, 0.0, 313.0) is None
 
 
 def test_demo_smoke_prints_the_table(chat_target, tmp_path, capsys, monkeypatch):

@@ -76,9 +76,9 @@ def training_deadline(started: float, now: float) -> float:
 
 def training_end_by(cfg: Config, kind: str, minutes: float | None, started: float, now: float) -> float | None:
     """The deadline train_pipeline ends the demo's training by (training_deadline), or None: a CPU demo promises
-    no wall time, and `--minutes` sets the training budget itself. The configured train.max_minutes (an override
-    included) stays the ceiling."""
-    if kind != "cuda" or minutes is not None:
+    no wall time, `--minutes` sets the training budget itself, and without train.max_minutes (an override of null)
+    the run has no clock to end by. The configured train.max_minutes (an override included) stays the ceiling."""
+    if kind != "cuda" or minutes is not None or cfg.train.max_minutes is None:
         return None
     end_by = training_deadline(started, now)
     steps_min = (end_by - now - BEFORE_FIRST_STEP_S) / 60
