@@ -6,7 +6,7 @@ best step), takes the ShareGPT ones whose prompts are in the staged chats file, 
 and compares p (the target's probability of each reply token given the ones before it) at the walk's anchors with
 p elsewhere. The basis of train.anchor_sampling=decoding (docs/DESIGN.md, "Anchors").
 
-  PYTHONPATH=src python3 benchmarks/anchor_doubt_cpu.py docs/gpu-runs/2026-12-04-demo-m/validation_replies.json \\
+  PYTHONPATH=src python3 benchmarks/anchor_doubt_cpu.py docs/gpu-runs/2026-12-04-demo-m/validation_replies.json.gz \\
       .gpu/data/train_chats.jsonl.gz TARGET_DIR      # a converted SmolLM2 directory (runs/.cache/...-hf2)
 """
 
@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 def main(replies_path: str, chats_path: str, target: str) -> None:
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    replies = json.loads(open(replies_path).read())["replies"]
+    with (gzip.open if replies_path.endswith(".gz") else open)(replies_path, "rt") as f:
+        replies = json.load(f)["replies"]
     with gzip.open(chats_path, "rt") as f:
         prompts = {c["id"]: next(m["content"] for m in c["messages"] if m["role"] == "user")
                    for c in map(json.loads, f)}

@@ -3,7 +3,7 @@
 
   python3 benchmarks/compare_evals.py BASE.json OTHER.json [...]
 
-Each file is an evaluation report (`dflash-train eval` or a run's eval_final/eval.json, the demo's
+Each file (gzipped or not) is an evaluation report (`dflash-train eval` or a run's eval_final/eval.json, the demo's
 eval_yardstick.json), or a run's validation_replies.json: validation's decoding walk per held-out reply at the best
 step, keyed by conversation, so that `compare_evals.py RUN/validation_replies.json RUN/eval_heldout/eval.json` sets
 the estimate against the measured tau on the same conversations (the demo measures the first held-out ShareGPT
@@ -19,16 +19,23 @@ pairs the same way for the demo's table).
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 import sys
 from collections import Counter
 
 
+def read_json(path: str):
+    """A JSON file, gzipped or not (docs/gpu-runs keeps its large records as .gz)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        return json.load(f)
+
+
 def per_prompt(path: str, field: str = "tau") -> dict:
     """id -> tau (or another field of each prompt / reply). An id held by more than one prompt (ShareGPT keys the
     parts of one long chat alike) is left out: which of them pairs with which is unknown."""
-    report = json.load(open(path))
+    report = read_json(path)
     if "replies" in report:  # validation_replies.json: replies without a key (synthetic data) cannot be paired
         pairs = [(str(r["key"]), r.get(field)) for r in report["replies"] if r["key"] is not None]
     else:

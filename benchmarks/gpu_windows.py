@@ -12,12 +12,13 @@ than chat data's.
     (overrides after the steps, e.g. train.feature_cache_host_gb=40: `gpu_demo.sh cache_speed` compares where the
     feature cache keeps its rows by the windows after the first epoch)
   Read a finished run instead (any machine), e.g. the GPU demo's records:
-    python3 benchmarks/gpu_windows.py --run docs/gpu-runs/2026-12-03-demo-f/metrics.jsonl \
-        docs/gpu-runs/2026-12-03-demo-f/demo.log 500 2000     # its eval_every and checkpoint_every
+    python3 benchmarks/gpu_windows.py --run docs/gpu-runs/2026-12-03-demo-f/metrics.jsonl.gz \
+        docs/gpu-runs/2026-12-03-demo-f/demo.log.gz 500 2000     # its eval_every and checkpoint_every
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -75,10 +76,16 @@ def train(steps: int, overrides: list[str] = ()) -> Path:
     return out
 
 
+def read_text(path: Path) -> str:
+    """A text file, gzipped or not (docs/gpu-runs keeps its large records as .gz)."""
+    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
 def report(metrics: Path, log: Path, eval_every: int = EVAL_EVERY, checkpoint_every: int = CHECKPOINT_EVERY) -> None:
-    recs = [json.loads(x) for x in open(metrics)]
+    recs = [json.loads(x) for x in read_text(metrics).splitlines()]
     train = [r for r in recs if r.get("split", "train") == "train" and "tokens_per_s" in r]
-    found = re.search(r"(\d+) rows of \d+ tokens per epoch", log.read_text())
+    found = re.search(r"(\d+) rows of \d+ tokens per epoch", read_text(log))
     rows_per_epoch = int(found.group(1)) if found else None
     print(f"{rows_per_epoch} rows (steps) per epoch")
     # Every window counts: since MetricsLogger.start_window the first holds steps 2-100, not the start-up (records
