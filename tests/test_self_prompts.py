@@ -574,3 +574,27 @@ def test_no_bundled_opener_begins_a_yardstick_prompt():
 def _yardstick_texts() -> list[str]:
     path = Path(__file__).resolve().parent.parent / "src" / "dflash_train" / "prompts" / "yardstick.jsonl"
     return [json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_a_file_with_a_training_side_is_read_only_up_to_its_first_training_conversation(tmp_path, monkeypatch):
+    """run_data._has_training_side decides whether a regenerated file joins the mix: it stops at the first training-
+    side conversation (the answers file holds 100,000) and reads a file through only when every one is held out."""
+    from dflash_train.generation import run_data
+
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps({"id": f"self_{i}", "messages": [
+        {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+        for i in range(5)))
+    read = []
+    real = run_data.iter_conversations
+
+    def counting(p, counts):
+        for conv in real(p, counts):
+            read.append(conv)
+            yield conv
+
+    monkeypatch.setattr(run_data, "iter_conversations", counting)
+    assert run_data._has_training_side(path, seed=0, fraction=0.0) and len(read) == 1  # nothing held out
+    read.clear()
+    assert not run_data._has_training_side(path, seed=0, fraction=1.0) and len(read) == 5  # everything held out
+    assert not run_data._has_training_side(tmp_path / "missing.jsonl", seed=0, fraction=0.0)
