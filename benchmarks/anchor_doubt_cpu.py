@@ -12,7 +12,6 @@ p elsewhere. The basis of train.anchor_sampling=decoding (docs/DESIGN.md, "Ancho
 
 from __future__ import annotations
 
-import gzip
 import json
 import statistics
 import sys
@@ -20,13 +19,15 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from records import open_record
+
 
 def main(replies_path: str, chats_path: str, target: str) -> None:
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    with (gzip.open if replies_path.endswith(".gz") else open)(replies_path, "rt") as f:
+    with open_record(replies_path) as f:
         replies = json.load(f)["replies"]
-    with gzip.open(chats_path, "rt") as f:
+    with open_record(chats_path) as f:
         prompts = {c["id"]: next(m["content"] for m in c["messages"] if m["role"] == "user")
                    for c in map(json.loads, f)}
     at, elsewhere, seen, pairs = [], [], set(), []

@@ -19,16 +19,17 @@ pairs the same way for the demo's table).
 
 from __future__ import annotations
 
-import gzip
 import json
 import statistics
 import sys
 from collections import Counter
 
+from records import open_record
+
 
 def read_json(path: str):
     """A JSON file, gzipped or not (docs/gpu-runs keeps its large records as .gz)."""
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
+    with open_record(path) as f:
         return json.load(f)
 
 

@@ -18,7 +18,6 @@ than chat data's.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
@@ -26,6 +25,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from records import open_record
 
 WORK = Path("/tmp/dflash_windows")
 LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY = 100, 500, 1000
@@ -76,16 +77,12 @@ def train(steps: int, overrides: list[str] = ()) -> Path:
     return out
 
 
-def read_text(path: Path) -> str:
-    """A text file, gzipped or not (docs/gpu-runs keeps its large records as .gz)."""
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt", encoding="utf-8") as f:
-        return f.read()
-
-
 def report(metrics: Path, log: Path, eval_every: int = EVAL_EVERY, checkpoint_every: int = CHECKPOINT_EVERY) -> None:
-    recs = [json.loads(x) for x in read_text(metrics).splitlines()]
+    with open_record(metrics) as f:
+        recs = [json.loads(x) for x in f]
     train = [r for r in recs if r.get("split", "train") == "train" and "tokens_per_s" in r]
-    found = re.search(r"(\d+) rows of \d+ tokens per epoch", read_text(log))
+    with open_record(log) as f:
+        found = re.search(r"(\d+) rows of \d+ tokens per epoch", f.read())
     rows_per_epoch = int(found.group(1)) if found else None
     print(f"{rows_per_epoch} rows (steps) per epoch")
     # Every window counts: since MetricsLogger.start_window the first holds steps 2-100, not the start-up (records

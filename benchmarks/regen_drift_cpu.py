@@ -24,7 +24,6 @@ docs/BENCHMARKS.md with this command.
 
 from __future__ import annotations
 
-import gzip
 import json
 import subprocess
 import sys
@@ -34,11 +33,12 @@ from pathlib import Path
 
 import torch
 
+from records import open_record
+
 
 def first_turns(path: str, n: int) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
     out = []
-    with opener(path, "rt") as f:
+    with open_record(path) as f:
         for line in f:
             rec = json.loads(line)
             user = rec.get("messages", [{}])[0]

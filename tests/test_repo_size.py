@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LARGEST_PLAIN_RECORD = 64 * 1024   # bytes: a text record larger than this is committed as .gz (gzip -9 -n)
+LARGEST_PLAIN_RECORD = 64 * 1024   # bytes: a text record larger than this is committed as .gz (gzip -9 -n; benchmarks/records.open_record reads both)
 TEXT_RECORDS = (".json", ".jsonl", ".log", ".txt")  # what gzip shrinks ~10x (plots are PNGs: already compressed)
 TREE_LIMIT = 9 * 2**20             # bytes of tracked files: 64 MiB less the 56.5 MB stage carries, less a margin
 
