@@ -279,8 +279,7 @@ def profile_drafter() -> None:
 
     # PROFILE_TILES: the flex kernels' tile sizes, "product" (objective.flex_kernel_options, as trained) and/or
     # "default" (flex's own), each compiled afresh, so that one run gives the ratio on one card.
-    product_options = objective.flex_kernel_options
-    tile_choices = {"product": product_options, "default": lambda q: None}
+    tile_choices = {"product": objective.flex_kernel_options, "default": lambda q: None}
     with torch.enable_grad():
         for arch, mode, tiles in itertools.product(os.environ.get("PROFILE_ARCHS", "dflash dflash2").split(),
                                                    os.environ.get("PROFILE_MODES", "reduce-overhead default").split(),

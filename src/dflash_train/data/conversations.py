@@ -21,6 +21,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from itertools import groupby
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -112,17 +113,10 @@ class ChatEncoder:
         cut = [bool(m.get("truncated")) for m in messages if m["role"] == "assistant"]
         if not any(cut):
             return mask
-        runs, t = [], 0
-        while t < len(mask):
-            if mask[t]:
-                start = t
-                while t < len(mask) and mask[t]:
-                    t += 1
-                runs.append((start, t))
-            t += 1
-        for (start, end), is_cut in zip(runs, cut):
-            if is_cut and ids[end - 1] in self.special_ids:
-                mask[end - 1] = False
+        run_ends = [list(run)[-1] for masked, run in groupby(range(len(mask)), key=mask.__getitem__) if masked]
+        for end, is_cut in zip(run_ends, cut):
+            if is_cut and ids[end] in self.special_ids:
+                mask[end] = False
         return mask
 
     def _encode_spans(self, messages: list[dict], text: str, ids: list[int],
