@@ -398,6 +398,47 @@ def test_the_embedded_target_tokenizes_digits_as_smollm2_does(tok):
     assert pieces == ["a", "\n", "\n", "The", " b"]  # no digit: the same split as GPT-2's (and the model's)
 
 
+def test_gguf_string_value_reads_what_gguf_reads(tmp_path):
+    """gguf_string_value skips every kind of metadata value on its way to a key (strings, scalars, arrays of numbers,
+    strings and bools) and returns what gguf's own GGUFReader returns; a cut header is one clear error."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    from dflash_train.models.target import TargetError, gguf_string_value
+
+    path = tmp_path / "meta.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_uint32("a.u32", 7)
+    w.add_float64("a.f64", 0.5)
+    w.add_bool("a.bool", True)
+    w.add_array("a.strings", ["x", "", "yz" * 40])
+    w.add_array("a.ints", [1, 2, 3])
+    w.add_array("a.floats", [0.25, 1.5])
+    w.add_array("a.bools", [True, False, True])
+    w.add_string("tokenizer.ggml.pre", "smollm")
+    w.add_array("after.tokens", [f"t{i}" for i in range(50)])
+    w.add_string("after.name", "caf\u00e9")
+    w.add_tensor("w", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    fields = GGUFReader(path).fields
+    for key in ("tokenizer.ggml.pre", "after.name", "general.architecture"):
+        assert gguf_string_value(path, key) == bytes(fields[key].parts[-1]).decode(), key
+    assert gguf_string_value(path, "a.u32") is None  # not a string
+    assert gguf_string_value(path, "no.such.key") is None
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:60])
+    with pytest.raises(TargetError, match="ends inside its metadata"):
+        gguf_string_value(cut, "no.such.key")
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(TargetError, match="not a GGUF file"):
+        gguf_string_value(other, "tokenizer.ggml.pre")
+
+
 def test_gguf_pre_tokenizer_restored_by_its_type(tmp_path):
     """restore_gguf_pre_tokenizer reads `tokenizer.ggml.pre` and rebuilds the types it knows; others are left alone."""
     from types import SimpleNamespace
