@@ -219,8 +219,10 @@ def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: in
 # Triton tile sizes of the drafter's flex kernels (forward BLOCK_M x BLOCK_N; backward M1/N1, M2/N2) for heads of
 # at most SMALL_HEAD_DIM, within the mask's 128-wide tiles. One layer's fwd + bwd at the GPU demo's shape (SmolLM2,
 # head 64, ~276-token documents; H100, 2026-12-06, benchmarks/gpu_flex_demo_attention.py): 0.906 ms with these
-# against 1.252 ms with the defaults (1.38x), the same outputs and gradients within bf16. At head 128 (Qwen3-8B,
-# benchmarks/gpu_flex_compile.py) the defaults are faster (4.86 ms against 8.05), so larger heads keep them.
+# against 1.252 ms with the defaults (1.38x), the same outputs and gradients within bf16; the whole compiled demo step
+# gains less: 23.17 ms against 23.52 (1.016x; H100, 2026-12-07, gpu_profile.py drafter with PROFILE_TILES). At head
+# 128 (Qwen3-8B, benchmarks/gpu_flex_compile.py) the defaults are faster (4.86 ms against 8.05), so larger heads keep
+# them.
 SMALL_HEAD_DIM = 64
 SMALL_HEAD_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
                              "BLOCK_N2": 32}
