@@ -305,6 +305,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
            True: cfg.heldout_max if cfg.heldout_fraction > 0 else 0}
     kept: dict[bool, list[tuple[Conversation, Sample]]] = {False: [], True: []}
     pending: list[tuple[Conversation, bool]] = []
+    pending_by_side = {False: 0, True: 0}  # pending's conversations by destination (held out or not)
     n_read, stopped_early = 0, False
     workers = tokenize_workers(cfg, path)
     if workers:
@@ -327,6 +328,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
             if pending:
                 keep(batches.submit(list(pending)))
                 pending.clear()
+                pending_by_side.update({False: 0, True: 0})
             if wait:
                 keep(batches.drain())
 
@@ -334,7 +336,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
             for conv in iter_conversations(path, counts):
                 n_read += 1
                 held = is_heldout(conv.key, seed, cfg.heldout_fraction)
-                n_pending = sum(1 for _, h in pending if h == held) + batches.pending(held)
+                n_pending = pending_by_side[held] + batches.pending(held)
                 if len(kept[held]) + n_pending >= cap[held]:
                     counts["heldout_overflow" if held else "unused_after_train_full"] += 1
                     if all(len(kept[h]) >= cap[h] for h in (False, True)):
@@ -342,6 +344,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
                         break
                     continue
                 pending.append((conv, held))
+                pending_by_side[held] += 1
                 if len(kept[held]) + n_pending + 1 >= cap[held]:
                     flush(wait=True)
                 elif len(pending) >= ENCODE_BATCH:
