@@ -12,7 +12,7 @@ training would read, classifying every place they part:
               did not emit there)
   whitespace  the reply ended in whitespace that the template's rendering dropped
   token       the same text, tokenized differently (until session 28, "\\n\\n" before a digit: SmolLM2's GGUF
-              tokenizer had lost its digit pre-tokenizer, models/target.GGUF_PRE_TOKENIZERS)
+              tokenizer had lost its digit pre-tokenizer, models/gguf_header.GGUF_PRE_TOKENIZERS)
   text        a different text: the engine did not reproduce plain greedy decoding (a bug, in fp32)
 
   PYTHONPATH=src python3 benchmarks/regen_drift_cpu.py CHATS.jsonl[.gz] [N=24] [NEW_TOKENS=96]

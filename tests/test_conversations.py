@@ -404,7 +404,7 @@ def test_gguf_string_value_reads_what_gguf_reads(tmp_path):
     import numpy as np
     from gguf import GGUFReader, GGUFWriter
 
-    from dflash_train.models.target import TargetError, gguf_string_value
+    from dflash_train.models.gguf_header import GGUFError, gguf_string_value
 
     path = tmp_path / "meta.gguf"
     w = GGUFWriter(str(path), "llama")
@@ -431,11 +431,11 @@ def test_gguf_string_value_reads_what_gguf_reads(tmp_path):
     assert gguf_string_value(path, "no.such.key") is None
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:60])
-    with pytest.raises(TargetError, match="ends inside its metadata"):
+    with pytest.raises(GGUFError, match="ends inside its metadata"):
         gguf_string_value(cut, "no.such.key")
     other = tmp_path / "other.gguf"
     other.write_bytes(b"PK\x03\x04" + bytes(60))
-    with pytest.raises(TargetError, match="not a GGUF file"):
+    with pytest.raises(GGUFError, match="not a GGUF file"):
         gguf_string_value(other, "tokenizer.ggml.pre")
 
 
@@ -445,7 +445,7 @@ def test_gguf_pre_tokenizer_restored_by_its_type(tmp_path):
 
     from gguf import GGUFWriter
 
-    from dflash_train.models.target import GGUF_PRE_TOKENIZERS, restore_gguf_pre_tokenizer
+    from dflash_train.models.gguf_header import GGUF_PRE_TOKENIZERS, restore_gguf_pre_tokenizer
 
     def gguf_with_pre(name: str | None):
         path = tmp_path / f"{name}.gguf"

@@ -100,7 +100,7 @@ SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "held out fro
 GPU_REFERENCE = ("On one H200 (2026-12-04), `dflash-train demo --device cuda` measured tau 3.79 (2.21x) on the "
                  "yardstick and 3.93 (2.32x) on held-out ShareGPT, lossless, in 18:26 with its data regenerated "
                  "(docs/BENCHMARKS.md, \"The GPU demo\").")
-# "-hf2": converted since the tokenizer keeps the GGUF's own pre-tokenizer (models/target.GGUF_PRE_TOKENIZERS); a
+# "-hf2": converted since the tokenizer keeps the GGUF's own pre-tokenizer (models/gguf_header.GGUF_PRE_TOKENIZERS); a
 # directory converted before would tokenize digits after whitespace differently, so it is not reused.
 HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf2"
 WARMUP_WAIT_S = 240  # after the regeneration, at most this long for the compile warm-up (training/warmup.py)
