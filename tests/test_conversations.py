@@ -430,9 +430,13 @@ def test_gguf_string_value_reads_what_gguf_reads(tmp_path):
     assert gguf_string_value(path, "a.u32") is None  # not a string
     assert gguf_string_value(path, "no.such.key") is None
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(path.read_bytes()[:60])
+    whole = path.read_bytes()
+    cut.write_bytes(whole[:60])
     with pytest.raises(GGUFError, match="ends inside its metadata"):
         gguf_string_value(cut, "no.such.key")
+    cut.write_bytes(whole[:whole.index(b"smollm") + 3])  # cut inside the value itself
+    with pytest.raises(GGUFError, match="ends inside its metadata"):
+        gguf_string_value(cut, "tokenizer.ggml.pre")
     other = tmp_path / "other.gguf"
     other.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(GGUFError, match="not a GGUF file"):

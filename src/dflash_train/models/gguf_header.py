@@ -49,12 +49,14 @@ def gguf_string_value(path: Path, key: str) -> str | None:
     pairs up to that key and skips every value on the way. gguf's GGUFReader maps the whole file and builds a view of
     each vocabulary entry and tensor (2.3 s for SmolLM2-135M on the dev box, where this takes milliseconds)."""
     with open(path, "rb") as f:
-        def unpack(fmt: str):
-            size = struct.calcsize("<" + fmt)
+        def read(size: int) -> bytes:
             raw = f.read(size)
             if len(raw) != size:
                 raise GGUFError(f"GGUF file {str(path)!r} ends inside its metadata; download or copy it again.")
-            return struct.unpack("<" + fmt, raw)[0]
+            return raw
+
+        def unpack(fmt: str):
+            return struct.unpack("<" + fmt, read(struct.calcsize("<" + fmt)))[0]
 
         def skip(value_type: int) -> None:
             if value_type == _GGUF_STRING:
@@ -77,9 +79,9 @@ def gguf_string_value(path: Path, key: str) -> str | None:
                             "llama.cpp.")
         unpack("Q")  # the tensor count: tensor infos follow the metadata, never read here
         for _ in range(unpack("Q")):
-            name = f.read(unpack("Q")).decode("utf-8", errors="replace")
+            name = read(unpack("Q")).decode("utf-8", errors="replace")
             value_type = unpack("I")
             if name == key and value_type == _GGUF_STRING:
-                return f.read(unpack("Q")).decode("utf-8")
+                return read(unpack("Q")).decode("utf-8", errors="replace")
             skip(value_type)
     return None
