@@ -398,16 +398,12 @@ def test_the_embedded_target_tokenizes_digits_as_smollm2_does(tok):
     assert pieces == ["a", "\n", "\n", "The", " b"]  # no digit: the same split as GPT-2's (and the model's)
 
 
-def test_gguf_string_value_reads_what_gguf_reads(tmp_path):
-    """gguf_string_value skips every kind of metadata value on its way to a key (strings, scalars, arrays of numbers,
-    strings and bools) and returns what gguf's own GGUFReader returns; a cut header is one clear error."""
+def write_gguf_with_every_value_type(path, order) -> None:
+    """A GGUF in byte order `order` with each kind of metadata value before and after `tokenizer.ggml.pre`."""
     import numpy as np
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
 
-    from dflash_train.models.gguf_header import GGUFError, gguf_string_value
-
-    path = tmp_path / "meta.gguf"
-    w = GGUFWriter(str(path), "llama")
+    w = GGUFWriter(str(path), "llama", endianess=order)
     w.add_uint32("a.u32", 7)
     w.add_float64("a.f64", 0.5)
     w.add_bool("a.bool", True)
@@ -424,11 +420,23 @@ def test_gguf_string_value_reads_what_gguf_reads(tmp_path):
     w.write_tensors_to_file()
     w.close()
 
-    fields = GGUFReader(path).fields
-    for key in ("tokenizer.ggml.pre", "after.name", "general.architecture"):
-        assert gguf_string_value(path, key) == bytes(fields[key].parts[-1]).decode(), key
-    assert gguf_string_value(path, "a.u32") is None  # not a string
-    assert gguf_string_value(path, "no.such.key") is None
+
+def test_gguf_string_value_reads_what_gguf_reads(tmp_path):
+    """gguf_string_value skips every kind of metadata value on its way to a key (strings, scalars, arrays of numbers,
+    strings and bools) and returns what gguf's own GGUFReader returns, in files of either byte order; a header cut
+    short, also inside the value asked for, and a file that is not a GGUF are one clear error each."""
+    from gguf import GGUFEndian, GGUFReader
+
+    from dflash_train.models.gguf_header import GGUFError, gguf_string_value
+
+    for order in (GGUFEndian.LITTLE, GGUFEndian.BIG):
+        path = tmp_path / f"meta-{order.name}.gguf"
+        write_gguf_with_every_value_type(path, order)
+        fields = GGUFReader(path).fields
+        for key in ("tokenizer.ggml.pre", "after.name", "general.architecture"):
+            assert gguf_string_value(path, key) == bytes(fields[key].parts[-1]).decode(), (order, key)
+        assert gguf_string_value(path, "a.u32") is None  # not a string
+        assert gguf_string_value(path, "no.such.key") is None
     cut = tmp_path / "cut.gguf"
     whole = path.read_bytes()
     cut.write_bytes(whole[:60])
@@ -438,7 +446,7 @@ def test_gguf_string_value_reads_what_gguf_reads(tmp_path):
     with pytest.raises(GGUFError, match="ends inside its metadata"):
         gguf_string_value(cut, "tokenizer.ggml.pre")
     other = tmp_path / "other.gguf"
-    other.write_bytes(b"PK\x03\x04" + bytes(60))
+    other.write_bytes(b"PK\x03\x04" + bytes(60))  # a zip archive
     with pytest.raises(GGUFError, match="not a GGUF file"):
         gguf_string_value(other, "tokenizer.ggml.pre")
 

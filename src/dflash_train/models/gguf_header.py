@@ -47,7 +47,8 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 def gguf_string_value(path: Path, key: str) -> str | None:
     """The string stored under `key` in a GGUF file's metadata, or None if it has none; reads the header's key-value
     pairs up to that key and skips every value on the way. gguf's GGUFReader maps the whole file and builds a view of
-    each vocabulary entry and tensor (2.3 s for SmolLM2-135M on the dev box, where this takes milliseconds)."""
+    each vocabulary entry and tensor (2.3 s for SmolLM2-135M on the dev box, where this takes milliseconds). Files of
+    either byte order are read, as llama.cpp writes them: the version number tells which."""
     with open(path, "rb") as f:
         def read(size: int) -> bytes:
             raw = f.read(size)
@@ -56,7 +57,7 @@ def gguf_string_value(path: Path, key: str) -> str | None:
             return raw
 
         def unpack(fmt: str):
-            return struct.unpack("<" + fmt, read(struct.calcsize("<" + fmt)))[0]
+            return struct.unpack(order + fmt, read(struct.calcsize(order + fmt)))[0]
 
         def skip(value_type: int) -> None:
             if value_type == _GGUF_STRING:
@@ -74,9 +75,14 @@ def gguf_string_value(path: Path, key: str) -> str | None:
                 raise GGUFError(f"GGUF file {str(path)!r} has a metadata value of unknown type {value_type}; "
                                 "download or copy it again, or convert it with a current llama.cpp.")
 
-        if f.read(4) != b"GGUF" or unpack("I") not in (2, 3):
+        magic, version = f.read(4), f.read(4)
+        # the byte order that unpack() reads in: the one in which the version is 2 or 3
+        orders = [o for o in ("<", ">") if magic == b"GGUF" and len(version) == 4
+                  and struct.unpack(o + "I", version)[0] in (2, 3)]
+        if not orders:
             raise GGUFError(f"{str(path)!r} is not a GGUF file of version 2 or 3; convert it with a current "
                             "llama.cpp.")
+        order = orders[0]
         unpack("Q")  # the tensor count: tensor infos follow the metadata, never read here
         for _ in range(unpack("Q")):
             name = read(unpack("Q")).decode("utf-8", errors="replace")
