@@ -76,13 +76,12 @@ def gguf_string_value(path: Path, key: str) -> str | None:
                                 "download or copy it again, or convert it with a current llama.cpp.")
 
         magic, version = f.read(4), f.read(4)
-        # the byte order that unpack() reads in: the one in which the version is 2 or 3
-        orders = [o for o in ("<", ">") if magic == b"GGUF" and len(version) == 4
-                  and struct.unpack(o + "I", version)[0] in (2, 3)]
-        if not orders:
+        # unpack() reads in the byte order in which the version is 2 or 3
+        known = magic == b"GGUF" and len(version) == 4
+        order = next((o for o in "<>" if known and struct.unpack(o + "I", version)[0] in (2, 3)), None)
+        if order is None:
             raise GGUFError(f"{str(path)!r} is not a GGUF file of version 2 or 3; convert it with a current "
                             "llama.cpp.")
-        order = orders[0]
         unpack("Q")  # the tensor count: tensor infos follow the metadata, never read here
         for _ in range(unpack("Q")):
             name = read(unpack("Q")).decode("utf-8", errors="replace")
