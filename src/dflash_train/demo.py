@@ -39,11 +39,11 @@ log = logging.getLogger("dflash_train")
 RECIPE = "smollm2_demo"
 # One H200: ~4 minutes of regeneration (the first answer of every ShareGPT conversation, then 100,000 prompts the
 # target writes itself; at most 7 minutes; 4:15 in demo-m, 2026-12-04) while a child process compiles the training
-# step (training/warmup.py), then what the 20 minutes leave to training (~12 minutes, training_deadline; 10.5 in
-# demo-m), its LR schedule following the clock (training/optim.py, follows_clock) over at most 10 epochs of the data
-# (~5 in demo-m); the drafter's 8 layers start as copies of the
-# target's last ones (model.drafter_layer_init); 8,192-token rows with 1,024 anchors, the target's forward compiled
-# and replayed as a CUDA graph (flex attention), validation every 500 steps on 4 held-out rows. The first epoch's rows
+# step (training/warmup.py), then what the 20 minutes leave to training (~12 minutes, training_deadline; 11.98 in
+# demo-n on an H100), its LR schedule following the clock (training/optim.py, follows_clock) over at most 10 epochs
+# of the data (5.9 in demo-n); the drafter's 8 layers start as copies of the target's last ones
+# (model.drafter_layer_init); 8,192-token rows with 1,024 anchors, the target's forward compiled and replayed as a
+# CUDA graph (flex attention), validation every 500 steps on 4 held-out rows. The first epoch's rows
 # keep their target features on the GPU for the later epochs, up to 120 GiB (train.feature_cache_gb, capped at the
 # free memory less 8 GiB; demo-m at 100: 2,275 of its 3,988 rows, peak 107 of 140 GiB, so ~7 GiB is training's).
 GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenerate_first_turn_only=true",
@@ -97,9 +97,9 @@ EVAL_PLAN = {"cpu": [("yardstick", 3, 32, None), ("heldout", 3, 32, None)],
 USER_PROMPTS_NEW_TOKENS = {"cpu": 32, "cuda": 256}
 SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "held out from the training data"}
 # Printed by the CPU demo: what the same command reaches on a GPU (docs/BENCHMARKS.md, "The GPU demo").
-GPU_REFERENCE = ("On one H200 (2026-12-04), `dflash-train demo --device cuda` measured tau 3.79 (2.21x) on the "
-                 "yardstick and 3.93 (2.32x) on held-out ShareGPT, lossless, in 18:26 with its data regenerated "
-                 "(docs/BENCHMARKS.md, \"The GPU demo\").")
+GPU_REFERENCE = ("On one H100 (2026-12-07), `dflash-train demo --device cuda` measured tau 3.87 (2.13x) on the "
+                 "yardstick and 3.99 (2.38x) on held-out ShareGPT, lossless, in 19:17 with its data regenerated "
+                 "(on an H200, 2026-12-04: 3.79; docs/BENCHMARKS.md, \"The GPU demo\").")
 # "-hf2": converted since the tokenizer keeps the GGUF's own pre-tokenizer (models/gguf_header.GGUF_PRE_TOKENIZERS); a
 # directory converted before would tokenize digits after whitespace differently, so it is not reused.
 HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf2"
