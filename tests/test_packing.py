@@ -288,6 +288,72 @@ def test_row_features_spill_the_rows_past_the_device_budget_to_host_memory():
     assert only_host.capacity == 0 and sorted(only_host.kept_host) == [0, 1] and only_host.computed == 2
 
 
+def test_host_memory_available_is_capped_by_every_cgroup_limit(tmp_path):
+    """A container's /proc/meminfo shows the whole machine: the host tier's size must also respect the memory limit
+    of the process's cgroup and its ancestors (v2 and v1), the reclaimable page cache not counted as used."""
+    from dflash_train.models.target import host_memory_available
+
+    gib = 2**30
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {512 * gib // 1024} kB\nMemAvailable: {400 * gib // 1024} kB\n")
+
+    def group(path, limit, used, cache=0, v1=False):
+        d = tmp_path / "cg" / ("memory" if v1 else "") / path
+        d.mkdir(parents=True, exist_ok=True)
+        names = ("memory.limit_in_bytes", "memory.usage_in_bytes") if v1 else ("memory.max", "memory.current")
+        (d / names[0]).write_text(f"{limit}\n")
+        (d / names[1]).write_text(f"{used}\n")
+        (d / "memory.stat").write_text(f"{'total_inactive_file' if v1 else 'inactive_file'} {cache}\nanon 1\n")
+
+    def available(cgroup_lines):
+        (tmp_path / "self_cgroup").write_text(cgroup_lines)
+        return host_memory_available(str(meminfo), str(tmp_path / "cg"), str(tmp_path / "self_cgroup")) / gib
+
+    assert available("0::/\n") == 400                          # no limit files: MemAvailable
+    group("", "max", 10 * gib)
+    group("job", 100 * gib, 70 * gib, cache=20 * gib)           # 100 - (70 - 20 cached)
+    assert available("0::/job\n") == 50
+    group("job/step", "max", 60 * gib)                          # no limit of its own: the parent's still holds
+    assert available("0::/job/step\n") == 50
+    group("job/step", 30 * gib, 10 * gib)                       # the tighter of the two
+    assert available("0::/job/step\n") == 20
+    group("box", 2**63 - 4096, gib, v1=True)                    # v1's "unlimited" and a v1 limit above it
+    group("box/task", 64 * gib, 16 * gib, cache=8 * gib, v1=True)
+    assert available("4:memory:/box/task\n3:cpu:/\n0::/\n") == 56
+    group("full", 8 * gib, 9 * gib)                             # over its limit already: nothing, not negative
+    assert available("0::/full\n") == 0
+    assert host_memory_available(str(tmp_path / "none"), str(tmp_path / "cg"), str(tmp_path / "none")) == float("inf")
+
+
+def test_host_tiers_of_one_process_share_the_memory_the_host_can_spare(monkeypatch):
+    """Several target devices each size their host tier at their first row, before any has filled it: the second
+    gets what the first left, not the whole; a released tier, or one no longer referenced (a failed run), gives its
+    share back."""
+    import gc
+
+    from dflash_train.models import target as target_mod
+    from dflash_train.models.target import RowFeatures
+
+    row_bytes = 4 * 6 * 4
+    monkeypatch.setattr(RowFeatures, "HOST_HEADROOM", 0)
+    monkeypatch.setattr(target_mod, "host_memory_available", lambda: 10 * row_bytes)
+
+    def tier():
+        rows = RowFeatures(lambda index: index, budget_bytes=0, host_budget_bytes=7 * row_bytes)
+        rows(0, lambda: torch.zeros(4, 6))
+        return rows
+
+    first, second = tier(), tier()
+    assert (first.host_capacity, second.host_capacity) == (7, 3)
+    first.release()
+    third = tier()                                  # 10 less the second's 3
+    assert third.host_capacity == 7
+    del third                                       # never released, as after a failed run
+    gc.collect()
+    assert tier().host_capacity == 7
+    second.release()
+
+
 def test_row_features_copy_rows_out_in_the_background(monkeypatch):
     """The copy to host memory runs in a thread of its own: the worker returns while it is still running, a later
     pass gets the row back from it, and a failed copy raises in the worker rather than vanishing."""

@@ -311,7 +311,8 @@ class TrainConfig:
                                            "train.feature_cache_gb, copied out by a background thread and back "
                                            "to the device for their batches in the target worker's thread (plain "
                                            "memory; on an H100 later epochs as fast as rows kept on the GPU; capped "
-                                           "at the memory the OS reports available less 8 GiB). Fixes "
+                                           "at what the host can spare less 8 GiB: the OS's available memory, the "
+                                           "process's cgroup limits and the other target devices' shares). Fixes "
                                            "the rows as feature_cache_gb does; either may be 0. 0 = off.")
     warmup_ratio: float = _f(0.04, "Fraction of steps spent in linear warm-up before the cosine decay.")
     min_lr_ratio: float = _f(0.0, "Cosine schedule ends at lr * min_lr_ratio.")

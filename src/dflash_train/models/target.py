@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -391,16 +393,60 @@ def load_target(target: str | None, layer_ids: list[int] | None = None, num_feat
     return TargetModel(hf, ids, truncate=truncate, final_hidden=final_hidden, anchor_weights=anchor_weights)
 
 
-def host_memory_available() -> float:
-    """Bytes of host memory the OS reports available (MemAvailable on Linux); infinity where it cannot say."""
+# cgroup memory controllers: (the hierarchy's directory under the cgroup mount, limit, usage, the memory.stat key of
+# the reclaimable page cache that usage counts), v2 then v1.
+_CGROUP_MEMORY = (("", "memory.max", "memory.current", "inactive_file"),
+                  ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+
+
+def host_memory_available(meminfo: str = "/proc/meminfo", cgroup_mount: str = "/sys/fs/cgroup",
+                          self_cgroup: str = "/proc/self/cgroup") -> float:
+    """Bytes of host memory this process may still take: the OS's MemAvailable, and at most what the memory limit of
+    its cgroup, or of any ancestor, leaves (limit less usage, the reclaimable page cache not counted as used): a
+    container's /proc/meminfo shows the whole machine, and passing the cgroup's limit gets the process killed.
+    Infinity where none of them can be read."""
+    available = float("inf")
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
+                    available = float(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return float("inf")
+    for group, limit_file, usage_file, cache_key in _cgroup_memory_dirs(cgroup_mount, self_cgroup):
+        try:
+            limit = (group / limit_file).read_text().strip()
+            if limit == "max":
+                continue
+            used = float((group / usage_file).read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
+            used -= float(stat.get(cache_key, 0))
+        except (OSError, ValueError):
+            pass
+        available = min(available, max(0.0, float(limit) - used))
+    return available
+
+
+def _cgroup_memory_dirs(cgroup_mount: str, self_cgroup: str) -> list[tuple]:
+    """(directory, limit file, usage file, page-cache key) for this process's cgroup and each ancestor up to the
+    mount, under every memory hierarchy /proc/self/cgroup names (v2: "0::/path"; v1: "N:memory:/path")."""
+    try:
+        lines = Path(self_cgroup).read_text().splitlines()
+    except OSError:
+        return []
+    dirs = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        for sub, *files in _CGROUP_MEMORY:
+            if (controllers == "") == (sub == "") and (sub == "" or sub in controllers.split(",")):
+                root = Path(cgroup_mount, sub)
+                leaf = root / path.strip().lstrip("/")
+                dirs += [(d, *files) for d in [leaf, *leaf.parents] if d == root or root in d.parents]
+    return dirs
 
 
 class RowFeatures:
@@ -416,16 +462,23 @@ class RowFeatures:
     fresh one), so one tensor serves every batch of its row.
 
     With host_budget_bytes (train.feature_cache_host_gb) the rows past the device's share are kept in host memory,
-    as many as that holds: plain (pageable) memory, copied out by a background thread on a stream of its own and back
-    to the device in the calling thread (the target worker, which waits for room in its queue most of the time while
-    the drafter trains). Timed on an H100 (docs/BENCHMARKS.md, "Feature cache"): rows served from host memory train
-    as fast as rows kept on the device; the copy out, when the worker made it itself (~40 ms a 45 MiB row), halved
-    the first epoch's speed, hence the thread (at most MAX_PENDING_COPIES rows on their way out, each holding its
-    device tensor until copied)."""
+    as many as that holds and the host can spare (host_memory_available, cgroup limits included, less HOST_HEADROOM
+    and the shares of this process's other tiers): plain (pageable) memory, copied out by a background thread on a
+    stream of its own and back to the device in the calling thread (the target worker, which waits for room in its
+    queue most of the time while the drafter trains). Timed on an H100 (docs/BENCHMARKS.md, "Feature cache"): rows
+    served from host memory train as fast as rows kept on the device; the copy out, when the worker made it itself
+    (~40 ms a 45 MiB row), halved the first epoch's speed, hence the thread (at most MAX_PENDING_COPIES rows on their
+    way out, each holding its device tensor until copied)."""
 
     CUDA_HEADROOM = 8 * 2**30
     HOST_HEADROOM = 8 * 2**30  # host memory left to the rest of the process and the machine
     MAX_PENDING_COPIES = 4     # rows being copied out to host memory at once; past that the worker waits
+    # The host tiers of this process (one per target device) that hold a share of host memory: each worker sizes
+    # its tier when its first row is known, at about the same moment as the others and before any has filled its
+    # own, so what the OS reports available is shared out, not promised to each in full. A tier's share ends with
+    # release() or with the tier itself (a failed run that never released it).
+    _host_lock = threading.Lock()
+    _host_tiers: "weakref.WeakSet[RowFeatures]" = weakref.WeakSet()
 
     def __init__(self, row_of, budget_bytes: float = 0, name: str = "target", host_budget_bytes: float = 0):
         self.row_of, self.budget_bytes, self.name = row_of, budget_bytes, name
@@ -440,6 +493,7 @@ class RowFeatures:
         self._device: torch.device | None = None  # where the rows are computed (and host rows go back to)
         self.capacity: int | None = None  # rows that may be kept on the device; decided by the first row's size
         self.host_capacity = 0            # rows that may be kept in host memory; decided with capacity
+        self._host_promise = 0            # bytes of host memory this tier's capacity counts on (until release)
         self.computed = 0     # forwards run (tests count them)
         self.served = 0       # batches served from a kept row without a forward (either memory)
         self.served_host = 0  # of which from host memory
@@ -495,8 +549,12 @@ class RowFeatures:
                 idle = torch.cuda.memory_reserved(feats.device) - torch.cuda.memory_allocated(feats.device)
                 budget = min(budget, max(0, free + idle - self.CUDA_HEADROOM))
             self.capacity = int(budget // row_bytes)
-            host = min(self.host_budget_bytes, host_memory_available() - self.HOST_HEADROOM)
-            self.host_capacity = int(max(0, host) // row_bytes)
+            with RowFeatures._host_lock:
+                promised = sum(tier._host_promise for tier in RowFeatures._host_tiers)
+                spare = host_memory_available() - self.HOST_HEADROOM - promised
+                self.host_capacity = int(max(0, min(self.host_budget_bytes, spare)) // row_bytes)
+                self._host_promise = self.host_capacity * row_bytes
+                RowFeatures._host_tiers.add(self)
             where = f" and {self.host_capacity} in host memory" if self.host_budget_bytes else ""
             what = ("their later epochs run no target forward" if self.capacity + self.host_capacity else
                     "not one row fits, every row is computed every epoch")
@@ -513,6 +571,8 @@ class RowFeatures:
         self.kept.clear()
         self.kept_host.clear()
         self._row, self._feats = None, None
+        with RowFeatures._host_lock:
+            self._host_promise = 0
 
     def summary(self) -> str:
         """One line for the end of the run: what the cache kept and saved."""
