@@ -25,8 +25,9 @@
 #                 for all), each kernel's compile timed
 #   check_target  the compiled target forward against eager per compile / graph setting, each-layer compile included
 #                 (benchmarks/gpu_target_compile_check.py; no staging needed)
-#   flex_demo  the demo drafter's flex attention alone, one layer fwd + bwd, per mask variant (no staging needed;
-#              PROBE_S seconds at most, default 300)
+#   flex_demo  the demo drafter's flex attention alone, one layer fwd + bwd, per mask variant and backward launch
+#              setting (no staging needed; PROBE_S seconds at most, default 300; PROBE_VARIANTS names some, e.g.
+#              "tiles64 bwd_w4 autotune")
 #   profile_drafter  the demo's drafter step alone (benchmarks/gpu_profile.py drafter, v1): ms a step with CUDA graphs
 #                    and without, the compiled step's top kernels (PROFILE_MODES="reduce-overhead eager": eager's;
 #                    PROFILE_TILES="product default": the step with flex's own tile sizes too, compiled afresh)
@@ -213,7 +214,7 @@ profile_drafter() {
 
 flex_demo() {
   banner "the demo drafter's flex attention, one layer, per mask variant (benchmarks/gpu_flex_demo_attention.py)"
-  timeout ${PROBE_S:-300} python3 benchmarks/gpu_flex_demo_attention.py 2>&1 |
+  timeout ${PROBE_S:-300} python3 benchmarks/gpu_flex_demo_attention.py ${PROBE_VARIANTS:-} 2>&1 |
     grep --line-buffered -v -E "UserWarning|warnings.warn|_warn_once"
 }
 

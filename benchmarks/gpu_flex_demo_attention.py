@@ -16,6 +16,13 @@ layer's attention, forward + backward, on a row packed like the demo's (document
              as a batched 16 x 16 attention, merged by log-sum-exp (gradients flow through flex's lse)
   dense      not this mask: SDPA (flash) over as many query-key pairs, every query against the same keys (as many
              as the visited tiles give a query tile): what the hardware does with this much attention work
+  bwd_w4, bwd_w4s2, bwd_w2, bwd64_w4
+             `tiles64` with other backward launch settings (the `bwd_` kernel options): on sm90 flex's backward
+             config for heads of 64 is 64 x 128 tiles with 8 warps and 3 stages, and tiles64 keeps those 8 warps for
+             its 32 x 64 tiles. w4 / w2: 4 / 2 warps; s2: 2 stages; bwd64_w4: 64 x 64 backward tiles, 4 warps
+  autotune   `bounds` compiled with mode="max-autotune-no-cudagraphs": inductor times flex's candidate configs
+             forward and backward and keeps the fastest (its choices are in the AUTOTUNE lines; compiles for
+             minutes, so it runs only when named)
 Each flex variant builds its BlockMask inside the compiled function from the row's anchors and doc_ids, as the
 training step does.
 
@@ -23,8 +30,10 @@ training step does.
   PROBE_CPU=1 PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py   # the CPU's flex template: forward
       # only (no CPU backward), fp32, 64 anchors on a 1,024-token row; `split` needs return_lse, which it lacks
 
-Prints per variant the time per call (CUDA events, median of 20 after 3 warm-up calls), the largest difference from
-`bounds`' output and gradients, and the mask's tile counts. A probe: its figures go to docs/BENCHMARKS.md with
+Prints per variant the time per call, forward alone and forward + backward (CUDA events, median of 20 after 3
+warm-up calls; the backward is the difference), the largest difference from `bounds`' output and gradients, and the
+mask's tile counts. A variant that fails (a kernel option this torch does not know) prints its error and the next
+one runs. A probe: its figures go to docs/BENCHMARKS.md with
 this command.
 """
 
@@ -127,8 +136,17 @@ def main(names: list[str]) -> None:
         return out.reshape(1, H, A * B, D).to(q.dtype)
 
     step_mask = lambda anchors, doc_ids: flex_block_mask(anchors, doc_ids, B, TILE).block_mask()  # noqa: E731
+    tiles64 = KERNEL_SETS["tiles64"]
     variants = {"bounds": flex(step_mask), "documents": flex(documents_mask), "nomask": flex(nomask),
-                "tiles64": flex(step_mask, **KERNEL_SETS["tiles64"]), "split": split}
+                "tiles64": flex(step_mask, **tiles64), "split": split,
+                "bwd_w4": flex(step_mask, **tiles64, bwd_num_warps=4),
+                "bwd_w4s2": flex(step_mask, **tiles64, bwd_num_warps=4, bwd_num_stages=2),
+                "bwd_w2": flex(step_mask, **tiles64, bwd_num_warps=2),
+                "bwd64_w4": flex(step_mask, **{**tiles64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64,
+                                               "BLOCK_N2": 64}, bwd_num_warps=4),
+                "autotune": flex(step_mask)}
+    only_named = {"autotune"}
+    compile_modes = {"autotune": "max-autotune-no-cudagraphs"}
     visited = int(m.partial.sum() + m.full.sum()) * TILE // m.partial.shape[0]   # keys a query tile visits
     dense_k = torch.randn(1, H, visited, D, device=dev, dtype=dtype, requires_grad=grads)
     dense_v = torch.randn(1, H, visited, D, device=dev, dtype=dtype, requires_grad=grads)
@@ -139,31 +157,38 @@ def main(names: list[str]) -> None:
     v = torch.randn(1, HKV, T + A * B, D, device=dev, dtype=dtype, requires_grad=grads)
     go = torch.randn(1, H, A * B, D, device=dev, dtype=dtype)
     if CPU:
-        variants.pop("split")
+        for name in ["split", "bwd_w4", "bwd_w4s2", "bwd_w2", "bwd64_w4", "autotune"]:  # CUDA-only options and modes
+            variants.pop(name)
     unknown = [n for n in names if n not in variants]
     if unknown:
         sys.exit(f"unknown variant(s) {unknown}; here: {', '.join(variants)}")
     phase = "fwd + bwd" if grads else "fwd"
     reference = None
-    for name in names or list(variants):
-        fn = torch.compile(variants[name], dynamic=False, fullgraph=True)
+    for name in names or [n for n in variants if n not in only_named]:
+        fn = torch.compile(variants[name], dynamic=False, fullgraph=True, mode=compile_modes.get(name))
 
-        def call():
+        def call(backward: bool = grads):
             q.grad = k.grad = v.grad = None
             out = fn(q, k, v)
-            if grads:
+            if backward:
                 out.backward(go)
             return out
 
-        first_s, ms = time_calls(lambda i: call(), dev, warmup=3, iters=20)
-        out = call()
+        try:
+            first_s, ms = time_calls(lambda i: call(), dev, warmup=3, iters=20)
+            fwd_ms = time_calls(lambda i: call(False), dev, warmup=3, iters=20)[1] if grads else ms
+            out = call()
+        except Exception as e:  # noqa: BLE001 - a probe: report the variant's failure, go on with the next
+            print(f"{name:9s} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}", flush=True)
+            continue
         got = None if name == "dense" else [out.detach().float()] + (
             [q.grad.float(), k.grad.float(), v.grad.float()] if grads else [])
         if reference is None and name == "bounds":
             reference = got
         diff = "" if reference is None or got is None else " max |diff| vs bounds (out, dq, dk, dv): " + ", ".join(
             f"{(a - b).abs().max().item():.2e}" for a, b in zip(got, reference))
-        print(f"{name:9s} {phase} {ms:.3f} ms a layer (first call {first_s:.1f} s){diff}", flush=True)
+        split_ms = f" (fwd {fwd_ms:.3f}, bwd {ms - fwd_ms:.3f})" if grads else ""
+        print(f"{name:9s} {phase} {ms:.3f} ms a layer{split_ms} (first call {first_s:.1f} s){diff}", flush=True)
 
 
 if __name__ == "__main__":
