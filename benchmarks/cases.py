@@ -112,10 +112,11 @@ def train_batches(ctx: Context, n: int = 4, suite=None):
 
 class DrafterRig:
     """A fresh drafter (fp32 master weights), its optimizer and a step function, as the trainer drives them.
-    suite: whose shapes and timing knobs (default ctx.suite); architecture: dflash | dflash2 (model.architecture)."""
+    suite: whose shapes and timing knobs (default ctx.suite); architecture: dflash | dflash2 (model.architecture);
+    loss_chunk: train.loss_chunk (None: its default)."""
 
     def __init__(self, ctx: Context, compile_mode: str, attention: str, tag: str, reference: bool = False,
-                 suite=None, architecture: str = "dflash"):
+                 suite=None, architecture: str = "dflash", loss_chunk: int | None = None):
         s, dev = suite or ctx.suite, ctx.device
         self.suite = s
         self.cfg = drafter_config(s, architecture)
@@ -126,7 +127,8 @@ class DrafterRig:
             self.embed_w = (torch.randn(V, H) * 0.02).to(s.dtype)
             self.head_w = (torch.randn(V, H) * 0.02).to(s.dtype)
         self.tcfg = TrainConfig(token_budget=s.token_budget, num_anchors=s.num_anchors, compile=compile_mode,
-                                attention=attention, dtype="bf16" if s.dtype == torch.bfloat16 else "fp32")
+                                attention=attention, dtype="bf16" if s.dtype == torch.bfloat16 else "fp32",
+                                **({} if loss_chunk is None else {"loss_chunk": loss_chunk}))
         backend = s.compile_backend if compile_mode != "eager" else None
         self.step = DrafterStep(self.drafter, self.embed_w, self.head_w, self.tcfg, dev, tag=tag, backend=backend)
         self.reference = reference

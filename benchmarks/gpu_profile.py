@@ -278,15 +278,20 @@ def profile_drafter() -> None:
     batches, _ = train_batches(ctx, suite=suite)
 
     # PROFILE_TILES: the flex kernels' tile sizes, "product" (objective.flex_kernel_options, as trained) and/or
-    # "default" (flex's own), each compiled afresh, so that one run gives the ratio on one card.
+    # "default" (flex's own), each compiled afresh, so that one run gives the ratio on one card. PROFILE_LOSS_CHUNKS:
+    # train.loss_chunk values ("default": the config's; e.g. "default 512": 512-row chunks, whose logits
+    # (50 MB) may stay in an H100's L2 between the LM head's matmul and the loss's reduction).
     tile_choices = {"product": objective.flex_kernel_options, "default": lambda q: None}
     with torch.enable_grad():
-        for arch, mode, tiles in itertools.product(os.environ.get("PROFILE_ARCHS", "dflash dflash2").split(),
-                                                   os.environ.get("PROFILE_MODES", "reduce-overhead default").split(),
-                                                   os.environ.get("PROFILE_TILES", "product").split()):
+        for arch, mode, tiles, chunk in itertools.product(
+                os.environ.get("PROFILE_ARCHS", "dflash dflash2").split(),
+                os.environ.get("PROFILE_MODES", "reduce-overhead default").split(),
+                os.environ.get("PROFILE_TILES", "product").split(),
+                os.environ.get("PROFILE_LOSS_CHUNKS", "default").split()):
             objective.flex_kernel_options = tile_choices[tiles]
             torch._dynamo.reset()
-            rig = DrafterRig(ctx, mode, "flex", tag=f"profile-{arch}-{mode}-{tiles}", suite=suite, architecture=arch)
+            rig = DrafterRig(ctx, mode, "flex", tag=f"profile-{arch}-{mode}-{tiles}-{chunk}", suite=suite,
+                             architecture=arch, loss_chunk=None if chunk == "default" else int(chunk))
             feats = torch.randn(suite.token_budget, rig.cfg.num_feature_layers * rig.cfg.hidden_size,
                                 device=ctx.device, dtype=suite.dtype)
             calls = itertools.count()
@@ -296,8 +301,8 @@ def profile_drafter() -> None:
                 rig.optim()
 
             ms = timed(step, 10)
-            print(f"drafter step {arch}, {mode}, {tiles} tiles: {ms:.2f} ms = {1e3 / ms:.1f} steps/s of "
-                  f"{suite.token_budget} tokens x {suite.num_anchors} anchors")
+            print(f"drafter step {arch}, {mode}, {tiles} tiles, loss chunk {chunk}: {ms:.2f} ms = "
+                  f"{1e3 / ms:.1f} steps/s of {suite.token_budget} tokens x {suite.num_anchors} anchors")
             if mode != "reduce-overhead":
                 top_kernels(step, f"drafter step {arch} ({mode})", rows=25)
             rig = None
