@@ -310,6 +310,7 @@ def test_host_memory_available_is_capped_by_every_cgroup_limit(tmp_path):
         return host_memory_available(str(meminfo), str(tmp_path / "cg"), str(tmp_path / "self_cgroup")) / gib
 
     assert available("0::/\n") == 400                          # no limit files: MemAvailable
+    assert available("garbage\n\n") == 400                      # lines it cannot read are passed over
     group("", "max", 10 * gib)
     group("job", 100 * gib, 70 * gib, cache=20 * gib)           # 100 - (70 - 20 cached)
     assert available("0::/job\n") == 50

@@ -440,7 +440,10 @@ def _cgroup_memory_dirs(cgroup_mount: str, self_cgroup: str) -> list[tuple]:
         return []
     dirs = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         for sub, *files in _CGROUP_MEMORY:
             if (controllers == "") == (sub == "") and (sub == "" or sub in controllers.split(",")):
                 root = Path(cgroup_mount, sub)
