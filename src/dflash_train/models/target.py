@@ -588,12 +588,18 @@ class RowFeatures:
 
 
 def _host_copy(feats: torch.Tensor, ready, stream) -> torch.Tensor:
-    """feats -> a copy in (pageable) host memory, on `stream` after the `ready` event on CUDA: returns when done."""
+    """feats -> a copy in (pageable) host memory, on `stream` after the `ready` event on CUDA: returns when done.
+
+    The fresh buffer's pages are faulted in first by zero_(), which runs on the intra-op threads: inside a
+    device-to-host copy the driver's one thread would fault them in one at a time, and faulting, not copying, is
+    most of a row's cost (a 45 MiB row on the 2-core dev box, `benchmarks/host_copy_cpu.py`: into a buffer already
+    faulted in 6.7-8.2 ms on one thread, into a fresh one 25.7-30.8 ms on one thread, 15-18 ms on two)."""
+    host = torch.empty(feats.shape, dtype=feats.dtype).zero_()
     if stream is None:
-        return feats.to("cpu", copy=True)
+        return host.copy_(feats)
     with torch.cuda.stream(stream):
         stream.wait_event(ready)
-        return feats.to("cpu", copy=True)
+        return host.copy_(feats)
 
 
 class FeatureForward:
