@@ -32,9 +32,9 @@ training step does.
 
 Prints per variant the time per call, forward alone and forward + backward (CUDA events, median of 20 after 3
 warm-up calls; the backward is the difference), the largest difference from `bounds`' output and gradients, and the
-mask's tile counts. A variant that fails (a kernel option this torch does not know) prints its error and the next
-one runs. A probe: its figures go to docs/BENCHMARKS.md with
-this command.
+mask's tile counts. Without `bounds` among the variants run, the first one run is the reference. A variant that
+fails (a kernel option this torch does not know) prints its error and the next one runs. A probe: its figures go to
+docs/BENCHMARKS.md with this command.
 """
 
 from __future__ import annotations
@@ -163,8 +163,10 @@ def main(names: list[str]) -> None:
     if unknown:
         sys.exit(f"unknown variant(s) {unknown}; here: {', '.join(variants)}")
     phase = "fwd + bwd" if grads else "fwd"
+    run = names or [n for n in variants if n not in only_named]
+    ref_name = "bounds" if "bounds" in run else next(n for n in run if n != "dense")
     reference = None
-    for name in names or [n for n in variants if n not in only_named]:
+    for name in run:
         fn = torch.compile(variants[name], dynamic=False, fullgraph=True, mode=compile_modes.get(name))
 
         def call(backward: bool = grads):
@@ -183,10 +185,10 @@ def main(names: list[str]) -> None:
             continue
         got = None if name == "dense" else [out.detach().float()] + (
             [q.grad.float(), k.grad.float(), v.grad.float()] if grads else [])
-        if reference is None and name == "bounds":
+        if reference is None and name == ref_name:
             reference = got
-        diff = "" if reference is None or got is None else " max |diff| vs bounds (out, dq, dk, dv): " + ", ".join(
-            f"{(a - b).abs().max().item():.2e}" for a, b in zip(got, reference))
+        diff = "" if reference is None or got is None else f" max |diff| vs {ref_name} (out, dq, dk, dv): " + \
+            ", ".join(f"{(a - b).abs().max().item():.2e}" for a, b in zip(got, reference))
         split_ms = f" (fwd {fwd_ms:.3f}, bwd {ms - fwd_ms:.3f})" if grads else ""
         print(f"{name:9s} {phase} {ms:.3f} ms a layer{split_ms} (first call {first_s:.1f} s){diff}", flush=True)
 
