@@ -558,7 +558,9 @@ class RowFeatures:
                 self.host_capacity = int(max(0, min(self.host_budget_bytes, spare)) // row_bytes)
                 self._host_promise = self.host_capacity * row_bytes
                 RowFeatures._host_tiers.add(self)
-            where = f" and {self.host_capacity} in host memory" if self.host_budget_bytes else ""
+            where = (f" and {self.host_capacity} in host memory ({self._host_promise / 2**30:.1f} GiB: "
+                     f"{self.host_budget_bytes / 2**30:g} asked, {max(0, spare) / 2**30:.1f} the host could spare)"
+                     if self.host_budget_bytes else "")
             what = ("their later epochs run no target forward" if self.capacity + self.host_capacity else
                     "not one row fits, every row is computed every epoch")
             log.info(f"{self.name}: feature cache of {self.capacity} rows ({self.capacity * row_bytes / 2**30:.1f} "
