@@ -30,7 +30,8 @@
 #              "tiles64 bwd_w4 autotune")
 #   profile_drafter  the demo's drafter step alone (benchmarks/gpu_profile.py drafter, v1): ms a step with CUDA graphs
 #                    and without, the compiled step's top kernels (PROFILE_MODES="reduce-overhead eager": eager's;
-#                    PROFILE_TILES="product default": the step with flex's own tile sizes too, compiled afresh;
+#                    PROFILE_TILES="product default sparse64": the step with flex's own tile sizes too, and
+#                    with the mask's tiles 64 wide (objective.DRAFTER_MASK_TILE), each compiled afresh;
 #                    PROFILE_LOSS_CHUNKS="default 512": with 512-row loss chunks too)
 #   start    carry .gpu/b: join the GGUF, start `dflash-train demo --device cuda` in its own session (setsid), return
 #   variants carry .gpu/b: join the GGUF, start benchmarks/gpu_variants.sh (regen, then VARIANTS side by side)

@@ -20,6 +20,11 @@ layer's attention, forward + backward, on a row packed like the demo's (document
              `tiles64` with other backward launch settings (the `bwd_` kernel options): on sm90 flex's backward
              config for heads of 64 is 64 x 128 tiles with 8 warps and 3 stages, and tiles64 keeps those 8 warps for
              its 32 x 64 tiles. w4 / w2: 4 / 2 warps; s2: 2 stages; bwd64_w4: 64 x 64 backward tiles, 4 warps
+  sparse64, sparse64_w4
+             `tiles64` on a mask of 64 x 64 tiles instead of 128 x 128 (flex_block_mask's tile): on the demo's row
+             5.7 M query-key pairs visited instead of 8.3 M (3.5 M visible) and 479 of its 1,380 visited tiles full
+             (64 of 507 at 128), so fewer pairs and fewer mask evaluations, at more tiles to walk; w4: the backward on
+             4 warps
   autotune   `bounds` compiled with mode="max-autotune-no-cudagraphs": inductor times flex's candidate configs
              forward and backward and keeps the fastest (its choices are in the AUTOTUNE lines; compiles for
              minutes, so it runs only when named)
@@ -27,6 +32,8 @@ Each flex variant builds its BlockMask inside the compiled function from the row
 training step does.
 
   PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py [VARIANT ...]
+  PROBE_MASK_ONLY=1 PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py   # the mask's tile counts at the
+      # demo's shape, 128- and 64-wide tiles (any machine: nothing is timed)
   PROBE_CPU=1 PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py   # the CPU's flex template: forward
       # only (no CPU backward), fp32, 64 anchors on a 1,024-token row; `split` needs return_lse, which it lacks
 
@@ -80,7 +87,8 @@ def main(names: list[str]) -> None:
     from dflash_train.training.objective import flex_block_mask
 
     configure_cudagraphs()
-    dev = torch.device("cpu" if CPU else "cuda")
+    mask_only = os.environ.get("PROBE_MASK_ONLY") == "1"
+    dev = torch.device("cpu" if CPU or mask_only else "cuda")
     dtype, grads = (torch.float32, False) if CPU else (torch.bfloat16, True)
     doc_ids, loss_mask = demo_row()
     anchors, _ = sample_anchors(loss_mask, doc_ids, A, torch.Generator().manual_seed(0))
@@ -88,6 +96,14 @@ def main(names: list[str]) -> None:
     m = flex_block_mask(anchors, doc_ids, B, TILE)
     print(f"row: {int(doc_ids.max()) + 1} documents, {A} anchors; mask tiles: {int(m.partial.sum())} partial, "
           f"{int(m.full.sum())} full, of {m.partial.numel()} ({m.partial.shape[0]} query tiles)", flush=True)
+    visible = int((anchors - m.first).sum()) * B + A * B * B   # each block: its context keys, then its own B keys
+    for tile in (TILE, 64):
+        mt = flex_block_mask(anchors, doc_ids, B, tile)
+        part, full = int(mt.partial.sum()), int(mt.full.sum())
+        print(f"  {tile}-wide tiles: {part} partial + {full} full visited, {(part + full) * tile * tile / 1e6:.1f} M "
+              f"query-key pairs computed for {visible / 1e6:.1f} M visible", flush=True)
+    if mask_only:
+        return
 
     def documents_mask(anchors, doc_ids):
         mask = flex_block_mask(anchors, doc_ids, B, TILE)
@@ -136,6 +152,7 @@ def main(names: list[str]) -> None:
         return out.reshape(1, H, A * B, D).to(q.dtype)
 
     step_mask = lambda anchors, doc_ids: flex_block_mask(anchors, doc_ids, B, TILE).block_mask()  # noqa: E731
+    mask64 = lambda anchors, doc_ids: flex_block_mask(anchors, doc_ids, B, 64).block_mask()  # noqa: E731
     tiles64 = KERNEL_SETS["tiles64"]
     variants = {"bounds": flex(step_mask), "documents": flex(documents_mask), "nomask": flex(nomask),
                 "tiles64": flex(step_mask, **tiles64), "split": split,
@@ -144,6 +161,8 @@ def main(names: list[str]) -> None:
                 "bwd_w2": flex(step_mask, **tiles64, bwd_num_warps=2),
                 "bwd64_w4": flex(step_mask, **{**tiles64, "BLOCK_M1": 64, "BLOCK_N1": 64, "BLOCK_M2": 64,
                                                "BLOCK_N2": 64}, bwd_num_warps=4),
+                "sparse64": flex(mask64, **tiles64),
+                "sparse64_w4": flex(mask64, **tiles64, bwd_num_warps=4),
                 "autotune": flex(step_mask)}
     only_named = {"autotune"}
     compile_modes = {"autotune": "max-autotune-no-cudagraphs"}
@@ -157,7 +176,7 @@ def main(names: list[str]) -> None:
     v = torch.randn(1, HKV, T + A * B, D, device=dev, dtype=dtype, requires_grad=grads)
     go = torch.randn(1, H, A * B, D, device=dev, dtype=dtype)
     if CPU:
-        for name in ["split", "bwd_w4", "bwd_w4s2", "bwd_w2", "bwd64_w4", "autotune"]:  # CUDA-only options and modes
+        for name in ["split", "bwd_w4", "bwd_w4s2", "bwd_w2", "bwd64_w4", "sparse64_w4", "autotune"]:  # CUDA only
             variants.pop(name)
     unknown = [n for n in names if n not in variants]
     if unknown:

@@ -281,14 +281,17 @@ def profile_drafter() -> None:
     # "default" (flex's own), each compiled afresh, so that one run gives the ratio on one card. PROFILE_LOSS_CHUNKS:
     # train.loss_chunk values ("default": the config's; e.g. "default 512": 512-row chunks, whose logits
     # (50 MB) may stay in an H100's L2 between the LM head's matmul and the loss's reduction).
-    tile_choices = {"product": objective.flex_kernel_options, "default": lambda q: None}
+    # "sparse64": the product's kernel options on a mask of 64-wide tiles (objective.DRAFTER_MASK_TILE).
+    tile_choices = {"product": (objective.flex_kernel_options, objective.DRAFTER_MASK_TILE),
+                    "default": (lambda q: None, objective.DRAFTER_MASK_TILE),
+                    "sparse64": (objective.flex_kernel_options, 64)}
     with torch.enable_grad():
         for arch, mode, tiles, chunk in itertools.product(
                 os.environ.get("PROFILE_ARCHS", "dflash dflash2").split(),
                 os.environ.get("PROFILE_MODES", "reduce-overhead default").split(),
                 os.environ.get("PROFILE_TILES", "product").split(),
                 os.environ.get("PROFILE_LOSS_CHUNKS", "default").split()):
-            objective.flex_kernel_options = tile_choices[tiles]
+            objective.flex_kernel_options, objective.DRAFTER_MASK_TILE = tile_choices[tiles]
             torch._dynamo.reset()
             rig = DrafterRig(ctx, mode, "flex", tag=f"profile-{arch}-{mode}-{tiles}-{chunk}", suite=suite,
                              architecture=arch, loss_chunk=None if chunk == "default" else int(chunk))
