@@ -444,8 +444,9 @@ def _cgroup_memory_dirs(cgroup_mount: str, self_cgroup: str) -> list[tuple]:
         if len(fields) != 3:
             continue
         _, controllers, path = fields
+        named = controllers.split(",") if controllers else [""]   # v2's line names no controller
         for sub, *files in _CGROUP_MEMORY:
-            if (controllers == "") == (sub == "") and (sub == "" or sub in controllers.split(",")):
+            if sub in named:
                 root = Path(cgroup_mount, sub)
                 leaf = root / path.strip().lstrip("/")
                 dirs += [(d, *files) for d in [leaf, *leaf.parents] if d == root or root in d.parents]

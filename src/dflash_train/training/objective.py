@@ -224,13 +224,14 @@ def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: in
 # 128 (Qwen3-8B, benchmarks/gpu_flex_compile.py) the defaults are faster (4.86 ms against 8.05), so larger heads keep
 # them.
 SMALL_HEAD_DIM = 64
+SMALL_HEAD_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
+                             "BLOCK_N2": 32}
+
 # The drafter mask's sparse tile (queries x keys; every kernel tile above divides it). At 64 instead of 128 a row
 # packed like the demo's visits 5.7 M query-key pairs instead of 8.3 M (3.5 M visible), 479 of its 1,380 visited
 # tiles full instead of 64 of 507 (`PROBE_MASK_ONLY=1 PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py`);
 # whether that is faster on a GPU is the probe's variant sparse64, not yet run.
 DRAFTER_MASK_TILE = FLEX_TILE
-SMALL_HEAD_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
-                             "BLOCK_N2": 32}
 
 
 def flex_kernel_options(q: torch.Tensor) -> dict | None:
