@@ -192,6 +192,12 @@ def derive_ratios(rows) -> dict:
         if t and d:   # sequential: the ideal is 1 / (1/target + 1/drafter), each stage's time alone added up
             ideal = 1.0 / (1.0 / t.tokens_per_s + 1.0 / d.tokens_per_s)
             out["colocated tokens/s vs stages alone back to back"] = colo.tokens_per_s / ideal
+    record = _row(rows, "generate", "continuous batching at regenerate's own batch")
+    bound = next((r for r in rows if r.bench == "generate" and r.variant.endswith("(row of record)")
+                  and r.variant.startswith("bound") and r.status == "ok"), None)  # a bound row has no ms
+    if record and bound:  # issue #16: >= 100k generated tokens/s for SmolLM2 on one H200 at 256 new tokens
+        out["generate: row of record, generated tokens/s"] = record.tokens_per_s
+        out["generate: row of record vs its bytes-read bound"] = record.tokens_per_s / bound.tokens_per_s
     before = _row(rows, "generate", "arrival order, whole cache")
     now = _row(rows, "generate", "continuous batching (regenerate now)")
     if before and now:

@@ -43,7 +43,8 @@ class Suite:
     budget_s: float = math.inf           # skip variants that would start past this many seconds into the run
     cpu_threads: int | None = None       # torch intra-op threads (tiny CPU shapes: 1, robust on a busy machine)
     generate: dict | None = None         # batched generation: target (LlamaConfig kwargs), batch, prompts,
-                                         # new_tokens, max_length, median_prompt (tokens; log-normal lengths)
+                                         # new_tokens, max_length, median_prompt (tokens; log-normal lengths);
+                                         # the row of record: record_waves x the batch, record_new_tokens each
     layouts: list[str] | None = None     # pipeline: 'shared' | 'T+D' (parse_layouts); None = shared (+ 1+1 on 2 GPUs)
     pipeline_steps: int | None = None    # pipeline: training steps per layout; None = 30 on GPU, 6 on CPU
     dflash2_shapes: str | None = None    # dflash2 benchmark: the suite whose shapes it measures (None = this one)
@@ -63,12 +64,13 @@ SUITES = {
                  block_size=16, token_budget=4096, num_anchors=512, target_seqs=[2048, 4096],
                  target_compile_seqs=[4096, 2048], warmup=3, iters=10, budget_s=450.0,
                  generate=dict(target=SMOLLM2_135M, batch=256, prompts=512, new_tokens=128, max_length=2048,
-                               median_prompt=80), dflash2_shapes="gpu-smollm2"),
+                               median_prompt=80, record_waves=4, record_new_tokens=256),
+                 dflash2_shapes="gpu-smollm2"),
     "cpu-smoke": Suite("cpu-smoke", "cpu", torch.float32, matmul_n=256, target=TINY, num_taps=3, draft_layers=2,
                        block_size=4, token_budget=64, num_anchors=8, target_seqs=[32, 64], target_compile_seqs=[64],
                        num_docs=2, warmup=1, iters=2, compile_backend="aot_eager", cpu_threads=1,
                        generate=dict(target=dict(TINY, vocab_size=256), batch=4, prompts=16, new_tokens=8,
-                                     max_length=256, median_prompt=12)),
+                                     max_length=256, median_prompt=12, record_waves=2, record_new_tokens=16)),
 }
 # `--suite gpu-smollm2`: the demo's GPU recipe (smollm2_gpu.yaml) at SmolLM2-135M's shape, random init (a Qwen3 config
 # of SmolLM2's sizes: same matmuls and attention; real weights do not change the speed): rows of 8,192 tokens
@@ -82,7 +84,8 @@ SUITES["cpu-generate"] = dataclasses.replace(
     SUITES["cpu-smoke"], name="cpu-generate", cpu_threads=1,
     generate=dict(target=dict(TINY, hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64,
                               vocab_size=2048, max_position_embeddings=2048),
-                  batch=16, prompts=128, new_tokens=32, max_length=1024, median_prompt=60))
+                  batch=16, prompts=128, new_tokens=32, max_length=1024, median_prompt=60, record_waves=2,
+                  record_new_tokens=32))
 
 
 @dataclass

@@ -54,8 +54,12 @@ def test_cpu_smoke_runs_every_benchmark(tmp_path):
     assert v2["loss"] == v2["loss"] and v2["params"] > v1["params"] and v2["flops"]["train"] > v1["flops"]["train"]
     assert {"conv_kernels", "conv_taps", "selector_projection"} <= set(v2["flops"]) and "conv_taps" not in v1["flops"]
     generate = [r for r in rows if r["bench"] == "generate"]
-    assert len(generate) == 8 and all(r["status"] == "ok" for r in generate), generate
-    decoded = [r for r in generate if not r["variant"].startswith("bound")]
+    assert len(generate) == 10 and all(r["status"] == "ok" for r in generate), generate
+    # issue #16's row of record comes first (a run cut by its budget still has it), with its bound
+    record, record_bound = generate[0]["extra"], generate[1]
+    assert record["every_reply_full"] and record["cold_wall_s"] > 0 and record["prompts"] == 2 * record["batch"]
+    assert "row of record" in record_bound["variant"] and record_bound["tokens_per_s"] > 0
+    decoded = [r for r in generate[2:] if not r["variant"].startswith("bound")]
     assert len(decoded) == 7 and all(r["extra"]["same_as_first"] == 1.0 for r in decoded)  # fp32: batching changes
     assert generate[-1]["tokens_per_s"] > 0                                                  # no output
     pipeline = {r["variant"]: r for r in rows if r["bench"] == "pipeline"}
