@@ -24,7 +24,7 @@ layer's attention, forward + backward, on a row packed like the demo's (document
              `tiles64` on a mask of 64 x 64 tiles instead of 128 x 128 (flex_block_mask's tile): on the demo's row
              5.7 M query-key pairs visited instead of 8.3 M (3.5 M visible) and 479 of its 1,380 visited tiles full
              (64 of 507 at 128), so fewer pairs and fewer mask evaluations, at more tiles to walk; w4: the backward on
-             4 warps
+             4 warps. Neither compiles on a GPU with torch 2.11 (H200, 2026-12-07: an InductorError building the mask)
   autotune   `bounds` compiled with mode="max-autotune-no-cudagraphs": inductor times flex's candidate configs
              forward and backward and keeps the fastest (its choices are in the AUTOTUNE lines; compiles for
              minutes, so it runs only when named)
@@ -38,8 +38,10 @@ training step does.
       # only (no CPU backward), fp32, 64 anchors on a 1,024-token row; `split` needs return_lse, which it lacks
 
 Prints per variant the time per call, forward alone and forward + backward (CUDA events, median of 20 after 3
-warm-up calls; the backward is the difference), the largest difference from `bounds`' output and gradients, and the
-mask's tile counts. Without `bounds` among the variants run, the first one run is the reference. A variant that
+warm-up calls; the backward is the difference), the same call's time in kernels (profiler records: flex forward,
+flex backward, the rest; on 2026-12-07 the event times of one forward kernel ranged 0.32-0.62 ms across variants,
+its kernel ~0.09 ms: the host's pace, so compare variants by their kernels), the largest difference from `bounds`'
+output and gradients, and the mask's tile counts. Without `bounds` among the variants run, the first one run is the reference. A variant that
 fails (a kernel option this torch does not know) prints its error and the next one runs. A probe: its figures go to
 docs/BENCHMARKS.md with this command.
 """
@@ -74,6 +76,27 @@ def demo_row(seed: int = 0):
         mask += [False] * p + [True] * (n - p)
         d += 1
     return torch.tensor(doc_ids[:T]), torch.tensor(mask[:T])
+
+
+def kernel_ms(call, iters: int = 10) -> dict[str, float]:
+    """Device time a call spends in kernels, from the profiler's kernel records over `iters` calls: flex's forward,
+    flex's backward, and the rest (the mask's construction, the gradients' casts). The CUDA-event times above run at
+    the host's pace when a call's kernels take less than its launches (a fused flex forward is ~0.09 ms); these do
+    not. CUDA only."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    ms = {"flex fwd": 0.0, "flex bwd": 0.0, "rest": 0.0}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            part = ("flex bwd" if "flex_attention_backward" in e.name else
+                    "flex fwd" if "flex_attention" in e.name else "rest")
+            ms[part] += e.time_range.elapsed_us() / 1e3 / iters
+    return ms
 
 
 def main(names: list[str]) -> None:
@@ -208,7 +231,10 @@ def main(names: list[str]) -> None:
         diff = "" if reference is None or got is None else f" max |diff| vs {ref_name} (out, dq, dk, dv): " + \
             ", ".join(f"{(a - b).abs().max().item():.2e}" for a, b in zip(got, reference))
         split_ms = f" (fwd {fwd_ms:.3f}, bwd {ms - fwd_ms:.3f})" if grads else ""
-        print(f"{name:9s} {phase} {ms:.3f} ms a layer{split_ms} (first call {first_s:.1f} s){diff}", flush=True)
+        kernels = "" if dev.type != "cuda" else "; kernels " + ", ".join(
+            f"{part} {t:.3f}" for part, t in kernel_ms(call).items()) + " ms"
+        print(f"{name:9s} {phase} {ms:.3f} ms a layer{split_ms}{kernels} (first call {first_s:.1f} s){diff}",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -229,8 +229,9 @@ SMALL_HEAD_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOC
 
 # The drafter mask's sparse tile (queries x keys; every kernel tile above divides it). At 64 instead of 128 a row
 # packed like the demo's visits 5.7 M query-key pairs instead of 8.3 M (3.5 M visible), 479 of its 1,380 visited
-# tiles full instead of 64 of 507 (`PROBE_MASK_ONLY=1 PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py`);
-# whether that is faster on a GPU is the probe's variant sparse64, not yet run.
+# tiles full instead of 64 of 507 (`PROBE_MASK_ONLY=1 PYTHONPATH=src python3 benchmarks/gpu_flex_demo_attention.py`).
+# On a GPU it does not compile (torch 2.11, H200, 2026-12-07: inductor fails on the 64-wide mask's construction, "list
+# indices must be integers or slices, not NoneType", in the probe and in the whole step alike), so it stays 128.
 DRAFTER_MASK_TILE = FLEX_TILE
 
 
