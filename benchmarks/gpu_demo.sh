@@ -15,7 +15,9 @@
 #   cache_speed   the demo's training settings (benchmarks/gpu_windows.py: SmolLM2 shape, random weights, synthetic
 #                 rows) with every row's features kept on the GPU, every row in host memory, and nothing kept:
 #                 tokens/s after the first epoch (CACHE_STEPS steps each, default 1200; CACHE_WHERE, default
-#                 "device host none", picks among them)
+#                 "device host none", picks among them; CACHE_EXTRA adds overrides, e.g. "train.profile_after=800
+#                 train.profile_steps=20": a profiler trace of 20 steps after the first epoch, kernels_<where>.txt
+#                 and trace_<where>.json.gz to $OUT)
 #   check_val     the tiny pipeline with validation through the training graph, then through its own (same numbers)
 #   check_flex    the engine's flex decode attention, folded and grouped, timed; the engine in a worker thread
 #   check_anchors the tiny pipeline with train.anchor_sampling=decoding (anchors drawn on the device)
@@ -152,9 +154,14 @@ cache_speed() {
   for where in ${CACHE_WHERE:-device host none}; do
     set -- $where ${how[$where]}
     banner "feature cache: $1"; shift
+    rm -rf /tmp/dflash_windows/run/profile
     timeout 400 python3 benchmarks/gpu_windows.py "$steps" model.num_draft_layers=8 train.eval_every=0 \
-        train.checkpoint_every=0 "$@" 2>&1 | grep -E "rows .*per epoch|median|feature cache|within 3%|Error"
-    grep -E "feature cache|peak GPU" /tmp/dflash_windows/train.log | tail -3
+        train.checkpoint_every=0 "$@" ${CACHE_EXTRA:-} 2>&1 | grep -E "rows .*per epoch|median|feature cache|within 3%|Error"
+    grep -E "feature cache|peak GPU|profile of steps" /tmp/dflash_windows/train.log | tail -4
+    if [[ -f /tmp/dflash_windows/run/profile/kernels.txt ]]; then  # CACHE_EXTRA="train.profile_after=N ..."
+      mkdir -p "$OUT" && cp /tmp/dflash_windows/run/profile/kernels.txt "$OUT/kernels_$where.txt"
+      gzip -c /tmp/dflash_windows/run/profile/trace.json > "$OUT/trace_$where.json.gz"
+    fi
   done
 }
 

@@ -379,6 +379,11 @@ class TrainConfig:
                                      "log, metrics.jsonl and <out_dir>/eval_final/. 0 = off.")
     final_eval_new_tokens: int = _f(128, "New tokens per prompt of the measurement after training.")
     loss_chunk: int = _f(4096, "Block positions per LM-head chunk in the loss (bounds logits memory).")
+    profile_after: int = _f(0, "After this many training steps, trace the next profile_steps with torch.profiler "
+                               "(the training thread's operators; on CUDA the device's kernels) into "
+                               "<out_dir>/profile/: trace.json, kernels.txt, and a log line with the time a step "
+                               "and the device's share of it in kernels. 0 = off.")
+    profile_steps: int = _f(20, "Steps train.profile_after traces.")
     kd_weight: float = _f(0.0, "Distillation: the loss is (1 - w) * CE on the data's next token + w * KD, KD being the "
                                "cross-entropy against the target's own next-token distribution (its final hidden "
                                "state through the frozen LM head, chunk by chunk). 0 = hard CE only (the target "
@@ -432,6 +437,8 @@ class TrainConfig:
         _require(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every,
                  "0 (only at the end) or positive")
         _require(self.loss_chunk >= 1, "train.loss_chunk", self.loss_chunk, "at least 1")
+        _require(self.profile_after >= 0, "train.profile_after", self.profile_after, "0 (off) or more")
+        _require(self.profile_steps >= 1, "train.profile_steps", self.profile_steps, "at least 1")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"train.keep_checkpoints must be at least 1 (got {self.keep_checkpoints}): the newest "
                               "checkpoint is what a resume continues from.")

@@ -41,6 +41,7 @@ from ..training.heap import frozen_heap
 from ..training.metrics import MetricsLogger
 from ..training.optim import follows_clock
 from ..training.plots import write_training_plots
+from ..training.profiling import StepProfiler
 from ..training.run import build_run, hold_run_dir, load_training_target, prepare_out_dir
 from ..training.startup import log_compile_times
 from ..training.validation import Validator, build_validation_rows
@@ -175,7 +176,10 @@ class _Pipeline:
                                      batches_per_step=self.run_setup.batches_per_step, queues=(batches, feats),
                                      target_clocks={t.name: t.clock for t in self.targets},
                                      drafter_clocks={f"drafter{r}": clock for r, clock in enumerate(clocks)},
-                                     busy=clocks[0])
+                                     busy=clocks[0],
+                                     profiler=StepProfiler(cfg.train.profile_after, cfg.train.profile_steps,
+                                                           self.run_setup.out_dir if self.peers.is_rank0 else None,
+                                                           drafter_devices[0]))
         self.guard = RecompileGuard(cfg.train.compile != "eager" or cfg.model.target_compile != "eager")
         self.gradsync = GradAverager(self.n, c, self.peers, cfg.pipeline.grad_reduce, budget=self.budget)
         embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed

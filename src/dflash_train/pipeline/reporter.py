@@ -17,6 +17,7 @@ from ..models.drafter import DFlashDrafter
 from ..training.checkpointing import CheckpointManager
 from ..training.metrics import MetricsLogger
 from ..training.optim import Schedule, Updater
+from ..training.profiling import StepProfiler
 from ..training.startup import log_first_step
 from ..training.step import DrafterStep
 from ..training.validation import Validator
@@ -42,8 +43,10 @@ class StepReporter:
 
     def __init__(self, logger: MetricsLogger, ckpt: CheckpointManager, validator: Validator, *, checkpoint_every: int,
                  total_steps: int, batches_per_step: int, queues: tuple[queue.Queue, queue.Queue],
-                 target_clocks: dict[str, StageClock], drafter_clocks: dict[str, StageClock], busy: StageClock):
+                 target_clocks: dict[str, StageClock], drafter_clocks: dict[str, StageClock], busy: StageClock,
+                 profiler: StepProfiler | None = None):
         self.logger, self.ckpt, self.checkpoint_every = logger, ckpt, checkpoint_every
+        self.profiler = profiler  # train.profile_after: a trace of a few steps, started and stopped here
         self.validator = validator
         self._validated = -1  # the last step validated
         self._stepped = False  # the first step of this process is logged with the start-up time
@@ -111,10 +114,14 @@ class StepReporter:
             self.ckpt.save(step, replica.drafter, replica.optimizer, replica.scheduler,
                            data_position=step * self.batches_per_step)
             self.validator.mark_checkpoint(self.ckpt, step)
+        if self.profiler is not None:
+            self.profiler.after_step(step)
 
     def on_end(self, steps_done: int, replica: ReplicaState) -> None:
         """After replica 0's last step (the last of the schedule, or a time-budget stop): validate it if not yet;
         the last periodic checkpoint is complete (a failed write fails this replica, the one that asked for it)."""
+        if self.profiler is not None:
+            self.profiler.finish(steps_done)  # a run that ended inside the profiled window
         if self.validator.enabled and self._validated != steps_done:
             self._validate(steps_done, replica)
         self.ckpt.wait()

@@ -22,6 +22,7 @@ from .heap import frozen_heap
 from .metrics import MetricsLogger, StepWindow
 from .optim import Updater, build_optimizer, build_scheduler
 from .plots import write_training_plots
+from .profiling import StepProfiler
 from .run import RunSetup, build_run, hold_run_dir, load_training_target
 from .startup import log_compile_times, log_first_step
 from .step import DrafterStep
@@ -84,6 +85,7 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     # a row's batches share one target forward (train.steps_per_row), kept rows every epoch's (train.feature_cache_gb)
     rows = RowFeatures(setup.schedule.row_of, cfg.train.feature_cache_gb * 2**30,
                        host_budget_bytes=cfg.train.feature_cache_host_gb * 2**30)
+    profiler = StepProfiler(cfg.train.profile_after, cfg.train.profile_steps, setup.out_dir, device)
     try:
         # the heap frozen and the collector timed for the loop (training/heap.py); leaving ckpt waits for the write
         # in flight: its error is raised (logged if another leaves)
@@ -115,8 +117,10 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
                 if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 and step < setup.total_steps:
                     ckpt.save(step, drafter, optimizer, scheduler, data_position=step * per_step)
                     validator.mark_checkpoint(ckpt, step)
+                profiler.after_step(step)
                 if stop:
                     break
+            profiler.finish(step)  # a run that ended inside the profiled window
             ckpt.save(step, drafter, optimizer, scheduler, data_position=step * per_step)
             validator.mark_checkpoint(ckpt, step)
         final, best = validator.finish(save_drafter(drafter, setup.out_dir / "drafter"))

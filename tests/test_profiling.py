@@ -1,0 +1,63 @@
+"""train.profile_after / profile_steps: a trace of the steps asked for, from the pipeline and the single-device
+trainer, also when the run ends inside the window; and the device-busy arithmetic its log line rests on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import single_loop_as_the_pipeline_runs
+
+from dflash_train.config import ConfigError, load_config
+from dflash_train.pipeline.coordinator import run_log_file, train_pipeline
+from dflash_train.training.profiling import busy_ms
+
+
+def cfg_for(target, out, **over):
+    ov = [f"model.target={target}", f"run.out_dir={out}", "pipeline.target_devices=[cpu]",
+          "pipeline.drafter_devices=[cpu]", "train.max_steps=8", "train.log_every=1"]
+    return load_config("tiny_cpu", ov + [f"{k}={v}" for k, v in over.items()])
+
+
+def test_busy_time_is_the_union_of_overlapping_kernels():
+    assert busy_ms([]) == 0
+    assert busy_ms([(5, 6), (0, 2), (1, 3)]) == 4     # overlapping streams count once, gaps not at all
+    assert busy_ms([(0, 10), (2, 3), (9, 12)]) == 12  # a kernel inside another adds nothing
+
+
+def traced_ops(run_dir) -> list[dict]:
+    trace = json.loads((run_dir / "profile" / "trace.json").read_text())
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+
+
+@pytest.mark.parametrize("runner", ["pipeline", "single"])
+def test_the_steps_asked_for_are_traced(runner, tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    cfg = cfg_for(tiny_llama, out, **{"train.profile_after": 3, "train.profile_steps": 2})
+    if runner == "pipeline":
+        train_pipeline(cfg)
+    else:  # the CLI gives this trainer its run.log
+        out.mkdir()
+        with run_log_file(out):
+            single_loop_as_the_pipeline_runs(cfg)
+    log = (out / "run.log").read_text()
+    assert "profile of steps 4-5: " in log and f"trace and kernel table in {out / 'profile'}" in log
+    assert any(e["name"].startswith("aten::") for e in traced_ops(out))   # the drafter's operators
+    assert "Self CPU" in (out / "profile" / "kernels.txt").read_text()
+
+
+def test_a_run_that_ends_inside_the_window_still_writes_its_trace(tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    train_pipeline(cfg_for(tiny_llama, out, **{"train.profile_after": 6, "train.profile_steps": 20}))
+    assert "profile of steps 7-8: " in (out / "run.log").read_text()
+    assert traced_ops(out)
+
+
+def test_off_by_default_and_checked(tiny_llama, tmp_path):
+    out = tmp_path / "run"
+    train_pipeline(cfg_for(tiny_llama, out, **{"train.max_steps": 3}))
+    assert not (out / "profile").exists() and "profile of steps" not in (out / "run.log").read_text()
+    with pytest.raises(ConfigError, match="train.profile_steps"):
+        cfg_for(tiny_llama, out, **{"train.profile_steps": 0})
+    with pytest.raises(ConfigError, match="train.profile_after"):
+        cfg_for(tiny_llama, out, **{"train.profile_after": -1})
