@@ -154,9 +154,10 @@ def bench_generate(ctx: Context):
         return run
 
     def of_record():
-        """Issue #16's row of record: the engine as `regenerate` builds it on this device (`--batch-size auto`,
-        max_length rows), over `waves` x batch prompts of record_new_tokens each. The engine runs them twice: the
-        first pass pays its compiles and graph captures (the cold figure, in the note), the second is timed."""
+        """Issue #16's row of record: the engine as `regenerate` builds it on this device (`--batch-size auto`:
+        as many rows as half the free memory holds KV caches of max_length slots for), over record_waves x those
+        rows of prompts, record_new_tokens each. The engine runs them twice: the first pass pays its compiles and
+        graph captures (the cold figure, in the note), the second is timed."""
         hf = model()
         batch = batch_size_for([hf], max_len) if dev.type == "cuda" else b
         count, want = g["record_waves"] * batch, g["record_new_tokens"]

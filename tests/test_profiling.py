@@ -10,7 +10,7 @@ from conftest import single_loop_as_the_pipeline_runs
 
 from dflash_train.config import ConfigError, load_config
 from dflash_train.pipeline.coordinator import run_log_file, train_pipeline
-from dflash_train.training.profiling import busy_ms
+from dflash_train.training.profiling import union_length
 
 
 def cfg_for(target, out, **over):
@@ -20,9 +20,9 @@ def cfg_for(target, out, **over):
 
 
 def test_busy_time_is_the_union_of_overlapping_kernels():
-    assert busy_ms([]) == 0
-    assert busy_ms([(5, 6), (0, 2), (1, 3)]) == 4     # overlapping streams count once, gaps not at all
-    assert busy_ms([(0, 10), (2, 3), (9, 12)]) == 12  # a kernel inside another adds nothing
+    assert union_length([]) == 0
+    assert union_length([(5, 6), (0, 2), (1, 3)]) == 4     # overlapping streams count once, gaps not at all
+    assert union_length([(0, 10), (2, 3), (9, 12)]) == 12  # a kernel inside another adds nothing
 
 
 def traced_ops(run_dir) -> list[dict]:

@@ -24,7 +24,7 @@ import torch
 log = logging.getLogger("dflash_train")
 
 
-def busy_ms(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
     """The length of the union of [start, end) intervals (any unit, in the same unit): time the device ran at least
     one kernel, where kernels on several streams overlap."""
     total, end = 0.0, float("-inf")
@@ -88,6 +88,6 @@ class StepProfiler:
         per_step = wall * 1e3 / max(1, traced)
         line = f"profile of steps {self.after + 1}-{step}: {per_step:.2f} ms a step"
         if kernels:
-            busy = busy_ms([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / max(1, traced)
+            busy = union_length([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / max(1, traced)
             line += f", the device in kernels {busy:.2f} ms of it ({busy / per_step:.0%})"
         log.info(f"{line}; trace and kernel table in {self.dir}")
