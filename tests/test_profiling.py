@@ -61,3 +61,17 @@ def test_off_by_default_and_checked(tiny_llama, tmp_path):
         cfg_for(tiny_llama, out, **{"train.profile_steps": 0})
     with pytest.raises(ConfigError, match="train.profile_after"):
         cfg_for(tiny_llama, out, **{"train.profile_after": -1})
+
+
+def test_tracing_compiled_steps_recompiles_nothing(tiny_llama, tmp_path, monkeypatch):
+    """The profiler switched on between two compiled steps must not make dynamo compile them again: the pipeline's
+    recompile guard would stop the run. aot_eager: the same dynamo + AOT-autograd path as inductor, in seconds."""
+    import torch
+
+    real_compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, backend="aot_eager", dynamic=False))
+    out = tmp_path / "run"
+    res = train_pipeline(cfg_for(tiny_llama, out, **{"train.compile": "default", "train.max_steps": 6,
+                                                     "train.profile_after": 2, "train.profile_steps": 2}))
+    assert res.steps == 6 and "profile of steps 3-4: " in (out / "run.log").read_text()
+    assert any("CompiledFunction" in e["name"] for e in traced_ops(out))  # the compiled step ran inside the window
