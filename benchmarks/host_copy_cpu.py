@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What a host-tier row costs to land in host memory (models/target._host_copy), on the CPU alone: a 45 MiB bf16
+"""What a host-tier row costs to land in host memory (models/feature_cache._host_copy), on the CPU alone: a 45 MiB bf16
 row (the GPU demo's: 8,192 tokens x 5 taps x 576) copied into a buffer already faulted in, into a fresh buffer as
 `tensor.to("cpu")` does, and into a fresh buffer faulted in by zero_() first, per intra-op thread count.
 

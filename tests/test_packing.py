@@ -237,7 +237,7 @@ def test_spread_order_is_a_permutation_whose_blocks_share_every_suffix_of_ids_ev
 def test_row_features_keep_the_first_rows_that_fit_and_serve_them_again():
     """RowFeatures with a byte budget: each row's features are computed once while the budget holds them, the rows
     beyond it every time they come back; the last row is always reused by its consecutive batches."""
-    from dflash_train.models.target import RowFeatures
+    from dflash_train.models.feature_cache import RowFeatures
 
     row_bytes = 4 * 6 * 4  # a [4, 6] float32 tensor
     rows = RowFeatures(lambda index: index // 2 % 3, budget_bytes=2 * row_bytes)  # 3 rows, 2 kept; 2 batches a row
@@ -259,7 +259,7 @@ def test_row_features_keep_the_first_rows_that_fit_and_serve_them_again():
 def test_row_features_spill_the_rows_past_the_device_budget_to_host_memory():
     """train.feature_cache_host_gb: the first rows fill the device's share, the next ones the host's, the rest are
     computed every pass; a host row comes back on the rows' device with the same values."""
-    from dflash_train.models.target import RowFeatures
+    from dflash_train.models.feature_cache import RowFeatures
 
     row_bytes = 4 * 6 * 4
     rows = RowFeatures(lambda index: index % 4, budget_bytes=1 * row_bytes, host_budget_bytes=2 * row_bytes)
@@ -291,7 +291,7 @@ def test_row_features_spill_the_rows_past_the_device_budget_to_host_memory():
 def test_host_memory_available_is_capped_by_every_cgroup_limit(tmp_path):
     """A container's /proc/meminfo shows the whole machine: the host tier's size must also respect the memory limit
     of the process's cgroup and its ancestors (v2 and v1), the reclaimable page cache not counted as used."""
-    from dflash_train.models.target import host_memory_available
+    from dflash_train.models.feature_cache import host_memory_available
 
     gib = 2**30
     meminfo = tmp_path / "meminfo"
@@ -332,12 +332,12 @@ def test_host_tiers_of_one_process_share_the_memory_the_host_can_spare(monkeypat
     share back."""
     import gc
 
-    from dflash_train.models import target as target_mod
-    from dflash_train.models.target import RowFeatures
+    from dflash_train.models import feature_cache as cache_mod
+    from dflash_train.models.feature_cache import RowFeatures
 
     row_bytes = 4 * 6 * 4
     monkeypatch.setattr(RowFeatures, "HOST_HEADROOM", 0)
-    monkeypatch.setattr(target_mod, "host_memory_available", lambda: 10 * row_bytes)
+    monkeypatch.setattr(cache_mod, "host_memory_available", lambda: 10 * row_bytes)
 
     def tier():
         rows = RowFeatures(lambda index: index, budget_bytes=0, host_budget_bytes=7 * row_bytes)
@@ -360,18 +360,18 @@ def test_row_features_copy_rows_out_in_the_background(monkeypatch):
     pass gets the row back from it, and a failed copy raises in the worker rather than vanishing."""
     import threading
 
-    from dflash_train.models import target as target_mod
-    from dflash_train.models.target import RowFeatures
+    from dflash_train.models import feature_cache as cache_mod
+    from dflash_train.models.feature_cache import RowFeatures
 
     row_bytes = 4 * 6 * 4
-    gate, names, real = threading.Event(), [], target_mod._host_copy
+    gate, names, real = threading.Event(), [], cache_mod._host_copy
 
     def held_copy(feats, ready, stream):
         names.append(threading.current_thread().name)
         assert gate.wait(timeout=60), "the test never opened the gate"
         return real(feats, ready, stream)
 
-    monkeypatch.setattr(target_mod, "_host_copy", held_copy)
+    monkeypatch.setattr(cache_mod, "_host_copy", held_copy)
     rows = RowFeatures(lambda index: index % 3, budget_bytes=0, host_budget_bytes=3 * row_bytes, name="target0")
     for index in range(3):                       # the first pass returns with every copy still held at the gate
         rows(index, lambda: torch.full((4, 6), float(index)))
@@ -386,7 +386,7 @@ def test_row_features_copy_rows_out_in_the_background(monkeypatch):
     def failing_copy(feats, ready, stream):
         raise RuntimeError("copy failed")
 
-    monkeypatch.setattr(target_mod, "_host_copy", failing_copy)
+    monkeypatch.setattr(cache_mod, "_host_copy", failing_copy)
     monkeypatch.setattr(RowFeatures, "MAX_PENDING_COPIES", 0)   # every copy awaited at once: the error is the call's
     rows = RowFeatures(lambda index: index, budget_bytes=0, host_budget_bytes=3 * row_bytes)
     with pytest.raises(RuntimeError, match="copy failed"):

@@ -84,7 +84,7 @@ def test_steps_per_row_runs_the_target_once_a_row_and_equals_the_single_device_t
                                                                                        monkeypatch):
     """train.steps_per_row=2: the drafter trains two steps on each row's features, the target computes them once;
     the pipeline still equals the single-device trainer bit for bit, and a crash mid-row resumes exactly."""
-    from dflash_train.models.target import RowFeatures
+    from dflash_train.models.feature_cache import RowFeatures
 
     computed = []
     real = RowFeatures.__call__

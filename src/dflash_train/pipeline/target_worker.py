@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..data.packing import TrainBatch
-from ..models.target import FeatureForward, RowFeatures, TargetModel
+from ..models.feature_cache import RowFeatures
+from ..models.target import FeatureForward, TargetModel
 from .devices import new_stream, record_event
 from .faults import poison_
 from .worker import END_OF_DATA, RunControl, Worker

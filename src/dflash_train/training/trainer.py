@@ -14,7 +14,7 @@ from ..config import Config
 from ..models.checkpoint import save_drafter
 from ..devices import parse_device, peak_memory_line, resolve_config
 from ..models.build import init_output_norm
-from ..models.target import RowFeatures
+from ..models.feature_cache import RowFeatures
 from .budget import TimeBudget
 from .checkpointing import CheckpointManager, resume_point
 from .cudagraphs import configure_cudagraphs
