@@ -57,6 +57,11 @@ def test_off_by_default_and_checked(tiny_llama, tmp_path):
     out = tmp_path / "run"
     train_pipeline(cfg_for(tiny_llama, out, **{"train.max_steps": 3}))
     assert not (out / "profile").exists() and "profile of steps" not in (out / "run.log").read_text()
+    late = tmp_path / "late"  # asked past the last step: said at the start, not silently nothing
+    train_pipeline(cfg_for(tiny_llama, late, **{"train.max_steps": 3, "train.profile_after": 3}))
+    assert "train.profile_after=3 is not before the run's last step (3): nothing will be traced; set it below 3." \
+        in (late / "run.log").read_text()
+    assert not (late / "profile").exists()
     with pytest.raises(ConfigError, match="train.profile_steps"):
         cfg_for(tiny_llama, out, **{"train.profile_steps": 0})
     with pytest.raises(ConfigError, match="train.profile_after"):

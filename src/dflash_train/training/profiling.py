@@ -39,11 +39,16 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 class StepProfiler:
     """Traces steps after+1 .. after+steps (1-based) of the calling thread's training loop; off when after is 0."""
 
-    def __init__(self, after: int, steps: int, out_dir: Path | None, device: torch.device):
+    def __init__(self, after: int, steps: int, out_dir: Path | None, device: torch.device,
+                 total_steps: int | None = None):
         self.after, self.steps, self.device = after, steps, device
         self.dir = Path(out_dir) / "profile" if out_dir is not None else None
         self._prof = None
         self._t0 = 0.0
+        if self.enabled and total_steps is not None and after >= total_steps:
+            log.warning(f"train.profile_after={after} is not before the run's last step ({total_steps}): nothing "
+                        f"will be traced; set it below {total_steps}.")
+            self.after = 0  # off: a window after the last step would trace nothing
 
     @property
     def enabled(self) -> bool:
