@@ -59,7 +59,7 @@ def test_off_by_default_and_checked(tiny_llama, tmp_path):
     assert not (out / "profile").exists() and "profile of steps" not in (out / "run.log").read_text()
     late = tmp_path / "late"  # asked past the last step: said at the start, not silently nothing
     train_pipeline(cfg_for(tiny_llama, late, **{"train.max_steps": 3, "train.profile_after": 3}))
-    assert "train.profile_after=3 is not before the run's last step (3): nothing will be traced; set it below 3." \
+    assert "train.profile_after=3 is outside this run's steps (1 to 3): nothing will be traced; set it from 1 to 2." \
         in (late / "run.log").read_text()
     assert not (late / "profile").exists()
     with pytest.raises(ConfigError, match="train.profile_steps"):
@@ -80,3 +80,22 @@ def test_tracing_compiled_steps_recompiles_nothing(tiny_llama, tmp_path, monkeyp
                                                      "train.profile_after": 2, "train.profile_steps": 2}))
     assert res.steps == 6 and "profile of steps 3-4: " in (out / "run.log").read_text()
     assert any("CompiledFunction" in e["name"] for e in traced_ops(out))  # the compiled step ran inside the window
+
+
+def test_a_window_this_process_never_reaches_is_said_at_the_start(tmp_path, caplog):
+    """A resumed run starts past step `done`: a window ending there, or one past the last step, traces nothing,
+    and the warning says which steps would."""
+    import logging
+
+    import torch
+
+    from dflash_train.training.profiling import StepProfiler
+
+    caplog.set_level(logging.WARNING, logger="dflash_train")
+    cpu = torch.device("cpu")
+    assert StepProfiler(800, 20, tmp_path, cpu, done=0, total_steps=2000).enabled
+    resumed = StepProfiler(800, 20, tmp_path, cpu, done=1000, total_steps=2000)
+    assert not resumed.enabled
+    assert "train.profile_after=800 is outside this run's steps (1001 to 2000): nothing will be traced; set it from " \
+           "1001 to 1999." in caplog.text
+    assert not StepProfiler(800, 20, None, cpu).enabled  # ranks other than 0 write nothing

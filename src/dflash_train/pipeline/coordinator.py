@@ -179,7 +179,8 @@ class _Pipeline:
                                      busy=clocks[0],
                                      profiler=StepProfiler(cfg.train.profile_after, cfg.train.profile_steps,
                                                            self.run_setup.out_dir if self.peers.is_rank0 else None,
-                                                           drafter_devices[0], self.run_setup.total_steps))
+                                                           drafter_devices[0], self.start_step,
+                                                           self.run_setup.total_steps))
         self.guard = RecompileGuard(cfg.train.compile != "eager" or cfg.model.target_compile != "eager")
         self.gradsync = GradAverager(self.n, c, self.peers, cfg.pipeline.grad_reduce, budget=self.budget)
         embed_w, head_w = targets[0].embed_tokens.weight, targets[0].lm_head.weight  # frozen, borrowed

@@ -39,16 +39,18 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 class StepProfiler:
     """Traces steps after+1 .. after+steps (1-based) of the calling thread's training loop; off when after is 0."""
 
-    def __init__(self, after: int, steps: int, out_dir: Path | None, device: torch.device,
+    def __init__(self, after: int, steps: int, out_dir: Path | None, device: torch.device, done: int = 0,
                  total_steps: int | None = None):
+        """done: the steps trained before this process (a resumed run); total_steps: the run's last step."""
         self.after, self.steps, self.device = after, steps, device
         self.dir = Path(out_dir) / "profile" if out_dir is not None else None
         self._prof = None
         self._t0 = 0.0
-        if self.enabled and total_steps is not None and after >= total_steps:
-            log.warning(f"train.profile_after={after} is not before the run's last step ({total_steps}): nothing "
-                        f"will be traced; set it below {total_steps}.")
-            self.after = 0  # off: a window after the last step would trace nothing
+        last = total_steps if total_steps is not None else float("inf")
+        if self.enabled and not done < after < last:  # the window starts when step `after` ends in this process
+            log.warning(f"train.profile_after={after} is outside this run's steps ({done + 1} to {last}): nothing "
+                        f"will be traced; set it from {done + 1} to {last - 1}.")
+            self.after = 0  # off
 
     @property
     def enabled(self) -> bool:

@@ -85,7 +85,7 @@ def _train_single_device(cfg: Config, setup: RunSetup) -> TrainResult:
     # a row's batches share one target forward (train.steps_per_row), kept rows every epoch's (train.feature_cache_gb)
     rows = RowFeatures(setup.schedule.row_of, cfg.train.feature_cache_gb * 2**30,
                        host_budget_bytes=cfg.train.feature_cache_host_gb * 2**30)
-    profiler = StepProfiler(cfg.train.profile_after, cfg.train.profile_steps, setup.out_dir, device,
+    profiler = StepProfiler(cfg.train.profile_after, cfg.train.profile_steps, setup.out_dir, device, start_step,
                             setup.total_steps)
     try:
         # the heap frozen and the collector timed for the loop (training/heap.py); leaving ckpt waits for the write
