@@ -1,0 +1,88 @@
+"""Where a profiled window of training steps leaves the GPU idle: the gaps between kernels in a torch.profiler
+chrome trace (`train.profile_after` writes <out_dir>/profile/trace.json; `gpu_demo.sh cache_speed` brings it back
+gzipped), largest first, each with the kernels on either side and the host calls that were running when it began.
+
+  python3 benchmarks/trace_gaps.py TRACE.json[.gz] [--min-us 20] [--top 25]
+
+Prints the device's share of the window in kernels (the union over streams), the idle time by gap size, the kernels
+by total time, and the largest gaps. Reads the trace only; runs anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def busy_intervals(kernels: list[dict]) -> list[tuple[float, float, dict, dict]]:
+    """Merged [start, end) intervals of kernel time (microseconds), each with its first and last kernel."""
+    merged: list[list] = []
+    for k in sorted(kernels, key=lambda e: e["ts"]):
+        start, end = k["ts"], k["ts"] + k.get("dur", 0)
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1][1], merged[-1][3] = end, k
+        else:
+            merged.append([start, end, k, k])
+    return [tuple(m) for m in merged]
+
+
+def host_calls_at(events: list[dict], t: float) -> list[str]:
+    """Names of host events (operators, runtime calls) spanning time t, outermost first."""
+    spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation",
+                                                                           "python_function")
+             and e["ts"] <= t < e["ts"] + e.get("dur", 0)]
+    return [f"{e['name'][:60]} (tid {e.get('tid')})" for e in sorted(spans, key=lambda e: e["ts"])]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--min-us", type=float, default=20.0, help="gaps shorter than this are not listed")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    events = load(args.trace)
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        raise SystemExit(f"{args.trace}: no kernels in the trace (a CPU run, or CUPTI recorded none)")
+    spans = busy_intervals(kernels)
+    first, last = spans[0][0], spans[-1][1]
+    busy = sum(b - a for a, b, _, _ in spans)
+    gaps = [(spans[i + 1][0] - spans[i][1], spans[i][1], spans[i][3], spans[i + 1][2]) for i in range(len(spans) - 1)]
+    print(f"window {(last - first) / 1e3:.2f} ms from the first kernel to the last: in kernels {busy / 1e3:.2f} ms "
+          f"({busy / (last - first):.1%}), idle {(last - first - busy) / 1e3:.2f} ms in {len(gaps)} gaps")
+    by_size = collections.Counter()
+    for g, *_ in gaps:
+        bucket = next(f"< {b} us" for b in (5, 20, 100, 500, 2000, float("inf")) if g < b)
+        by_size[bucket] += g
+    print("idle by gap size: " + ", ".join(f"{k} {v / 1e3:.2f} ms" for k, v in by_size.items()))
+    streams = collections.Counter()
+    names = collections.Counter()
+    for k in kernels:
+        streams[k.get("args", {}).get("stream", k.get("tid"))] += k.get("dur", 0)
+        names[k["name"][:90]] += k.get("dur", 0)
+    print("kernel time by stream: " + ", ".join(f"{s}: {d / 1e3:.2f} ms" for s, d in streams.most_common()))
+    print("kernels by total time:")
+    for n, d in names.most_common(15):
+        print(f"  {d / 1e3:8.2f} ms  {n}")
+    print(f"largest gaps (>= {args.min_us:g} us):")
+    host = [e for e in events if e.get("ph") == "X" and e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset")]
+    for g, t, before, after in sorted(gaps, key=lambda x: -x[0])[:args.top]:
+        if g < args.min_us:
+            break
+        print(f"  {g:8.1f} us at +{(t - first) / 1e3:.3f} ms: after {before['name'][:50]} -> {after['name'][:50]}")
+        for call in host_calls_at(host, t)[-4:]:
+            print(f"      host: {call}")
+
+
+if __name__ == "__main__":
+    main()
