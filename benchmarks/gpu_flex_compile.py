@@ -34,14 +34,14 @@ import tempfile
 import threading
 import time
 
-from dflash_train.training.objective import SMALL_HEAD_KERNEL_OPTIONS
+from dflash_train.training.objective import SMALL_HEAD_TILES
 
 # Kernel options flex_attention accepts (forward BLOCK_M/N, backward BLOCK_M1/N1/M2/N2): smaller tiles and fewer
 # pipeline stages make smaller kernels, which compile faster and may run slower. The mask's tile stays 128.
 # "tiles64" is the set the drafter itself uses for heads of at most 64 (training/objective.py).
 SETS = {
     "default": {},
-    "tiles64": SMALL_HEAD_KERNEL_OPTIONS,
+    "tiles64": SMALL_HEAD_TILES,
     "stages1": {"num_stages": 1},
 }
 STEP_SETS = {"step": "flex", "step_sdpa": "sdpa"}  # the whole training step instead, by its train.attention

@@ -282,9 +282,11 @@ def profile_drafter() -> None:
     # train.loss_chunk values ("default": the config's; e.g. "default 512": 512-row chunks, whose logits
     # (50 MB) may stay in an H100's L2 between the LM head's matmul and the loss's reduction).
     # "sparse64": the product's kernel options on a mask of 64-wide tiles (objective.DRAFTER_MASK_TILE).
+    # "tiles64": the 64-wide tiles with inductor's own backward launch settings (the product before 2026-12-07).
     tile_choices = {"product": (objective.flex_kernel_options, objective.DRAFTER_MASK_TILE),
                     "default": (lambda q: None, objective.DRAFTER_MASK_TILE),
-                    "sparse64": (objective.flex_kernel_options, 64)}
+                    "sparse64": (objective.flex_kernel_options, 64),
+                    "tiles64": (lambda q: objective.SMALL_HEAD_TILES, objective.DRAFTER_MASK_TILE)}
     with torch.enable_grad():
         for arch, mode, tiles, chunk in itertools.product(
                 os.environ.get("PROFILE_ARCHS", "dflash dflash2").split(),

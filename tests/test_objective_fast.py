@@ -296,7 +296,7 @@ def test_validation_through_the_training_graph_compiles_nothing_and_reads_the_sa
 
 
 def test_flex_kernel_options_by_head_size():
-    """64-wide Triton tiles for heads of at most 64 on CUDA (measured faster at the demo's shape), flex's defaults
+    """64-wide Triton tiles and a 4-warp backward for heads of at most 64 on CUDA (measured faster at the demo's shape), flex's defaults
     for larger heads (measured slower there) and on other devices (the CPU template takes no tile options)."""
     from types import SimpleNamespace
 
@@ -308,5 +308,7 @@ def test_flex_kernel_options_by_head_size():
     assert flex_kernel_options(q("cuda", 32)) == SMALL_HEAD_KERNEL_OPTIONS
     assert flex_kernel_options(q("cuda", 128)) is None
     assert flex_kernel_options(q("cpu", 64)) is None
-    # every kernel tile divides the mask's 128-wide tiles
-    assert all(128 % v == 0 for v in SMALL_HEAD_KERNEL_OPTIONS.values())
+    # every kernel tile divides the mask's 128-wide tiles; the backward's launch setting rides along
+    tiles = {k: v for k, v in SMALL_HEAD_KERNEL_OPTIONS.items() if k.startswith("BLOCK_")}
+    assert len(tiles) == 6 and all(128 % v == 0 for v in tiles.values())
+    assert SMALL_HEAD_KERNEL_OPTIONS["bwd_num_warps"] == 4

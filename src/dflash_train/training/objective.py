@@ -222,10 +222,12 @@ def flex_block_mask(anchors: torch.Tensor, doc_ids: torch.Tensor, block_size: in
 # against 1.252 ms with the defaults (1.38x), the same outputs and gradients within bf16; the whole compiled demo step
 # gains less: 23.17 ms against 23.52 (1.016x; H100, 2026-12-07, gpu_profile.py drafter with PROFILE_TILES). At head
 # 128 (Qwen3-8B, benchmarks/gpu_flex_compile.py) the defaults are faster (4.86 ms against 8.05), so larger heads keep
-# them.
+# them. The backward runs 4 warps, not the 8 inductor picks for heads of 64 (sized for its 64 x 128 tiles, not these
+# 32-row ones): its kernel 0.424 ms a layer against 0.761, the gradients bit-identical (H100, 2026-12-07, the probe's
+# `bwd_w4` against `tiles64`, kernel times from the profiler; 2 warps: 0.880).
 SMALL_HEAD_DIM = 64
-SMALL_HEAD_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
-                             "BLOCK_N2": 32}
+SMALL_HEAD_TILES = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+SMALL_HEAD_KERNEL_OPTIONS = {**SMALL_HEAD_TILES, "bwd_num_warps": 4}
 
 # The drafter mask's sparse tile (queries x keys; every kernel tile above divides it). At 64 instead of 128 a row
 # packed like the demo's visits 5.7 M query-key pairs instead of 8.3 M (3.5 M visible), 479 of its 1,380 visited
