@@ -2,11 +2,16 @@
 train.log_every steps against the median, and what each slow one held (a validation, a checkpoint, an epoch
 boundary).
 
-The demo's training settings (demo.py GPU_OVERRIDES: 8,192-token rows, 1,024 anchors, 5 draft layers, flex target
-as a compiled CUDA graph, reduce-overhead drafter step, validation every 500 steps, a checkpoint every 1,000 here)
-on a random-init SmolLM2-shaped target and the synthetic source, whose short epochs (~250 rows) put an epoch
-boundary in every few windows. Weights do not change the speed of a step; the data's document lengths vary less
-than chat data's.
+The demo's training settings (demo.py GPU_OVERRIDES: 8,192-token rows, 1,024 anchors, flex target
+as a compiled CUDA graph, reduce-overhead drafter step, validation every 500 steps, a checkpoint every 1,000 here;
+5 draft layers, where the demo has 8: `cache_speed` passes model.num_draft_layers=8)
+on a random-init SmolLM2-shaped target and the synthetic source, whose short epochs (~240 rows) put an epoch
+boundary in every few windows. Weights do not change the speed of a step; document lengths do: the drafter's
+attention visits every tile of an anchor's context, so the synthetic documents are as long as the demo's on average
+(50-500 tokens, ~275; its chats average ~276). Before 2026-12-07 they were 200-1800 tokens, twice the attention
+tiles (1,007 against 507 a layer), and a step 1.21x slower (28.4 against 23.5 ms on an H100, `cache_speed`
+with each length, docs/gpu-runs/2026-12-07-h100-s/): the "pipeline overhead" earlier notes saw against the
+drafter's step alone was that.
 
   Run (from the repo root of a GPU machine): PYTHONPATH=src python3 benchmarks/gpu_windows.py [steps [key=value ...]]
     (overrides after the steps, e.g. train.feature_cache_host_gb=40: `gpu_demo.sh cache_speed` compares where the
@@ -59,8 +64,8 @@ def train(steps: int, overrides: list[str] = ()) -> Path:
     out = WORK / "run"
     args = [sys.executable, "-m", "dflash_train.cli", "train", "--config", "smollm2_demo",
             f"model.target={smollm2_shaped_target(WORK / 'target')}", f"run.out_dir={out}", "run.overwrite=true",
-            "data.source=synthetic", "data.synthetic_samples=2000", "data.synthetic_min_len=200",
-            "data.synthetic_max_len=1800", "data.max_length=2048", "data.max_samples=null",
+            "data.source=synthetic", "data.synthetic_samples=7000", "data.synthetic_min_len=50",
+            "data.synthetic_max_len=500", "data.max_length=2048", "data.max_samples=null",
             "data.heldout_fraction=0.02", "train.token_budget=8192", "train.num_anchors=1024", "train.lr=2e-3",
             f"train.max_steps={steps}", "train.max_minutes=null", f"train.log_every={LOG_EVERY}",
             f"train.eval_every={EVAL_EVERY}", "train.eval_rows=4", f"train.checkpoint_every={CHECKPOINT_EVERY}",
