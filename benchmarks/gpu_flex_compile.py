@@ -38,7 +38,7 @@ from dflash_train.training.objective import SMALL_HEAD_TILES
 
 # Kernel options flex_attention accepts (forward BLOCK_M/N, backward BLOCK_M1/N1/M2/N2): smaller tiles and fewer
 # pipeline stages make smaller kernels, which compile faster and may run slower. The mask's tile stays 128.
-# "tiles64" is the set the drafter itself uses for heads of at most 64 (training/objective.py).
+# "tiles64" is the drafter's tiles for heads of at most 64 (training/objective.py, whose backward also runs 4 warps).
 SETS = {
     "default": {},
     "tiles64": SMALL_HEAD_TILES,

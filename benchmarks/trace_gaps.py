@@ -44,12 +44,12 @@ def host_calls_at(events: list[dict], t: float) -> list[str]:
     return [f"{e['name'][:60]} (tid {e.get('tid')})" for e in sorted(spans, key=lambda e: e["ts"])]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--min-us", type=float, default=20.0, help="gaps shorter than this are not listed")
     ap.add_argument("--top", type=int, default=25)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     events = load(args.trace)
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not kernels:

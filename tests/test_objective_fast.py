@@ -296,8 +296,9 @@ def test_validation_through_the_training_graph_compiles_nothing_and_reads_the_sa
 
 
 def test_flex_kernel_options_by_head_size():
-    """64-wide Triton tiles and a 4-warp backward for heads of at most 64 on CUDA (measured faster at the demo's shape), flex's defaults
-    for larger heads (measured slower there) and on other devices (the CPU template takes no tile options)."""
+    """64-wide Triton tiles and a 4-warp backward for heads of at most 64 on CUDA (measured faster at the demo's
+    shape), flex's defaults for larger heads (measured slower there) and on other devices (the CPU template takes no
+    tile options)."""
     from types import SimpleNamespace
 
     from dflash_train.training.objective import SMALL_HEAD_KERNEL_OPTIONS, flex_kernel_options

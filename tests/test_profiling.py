@@ -4,6 +4,7 @@ trainer, also when the run ends inside the window; and the device-busy arithmeti
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import single_loop_as_the_pipeline_runs
@@ -25,16 +26,11 @@ def test_busy_time_is_the_union_of_overlapping_kernels():
     assert union_length([(0, 10), (2, 3), (9, 12)]) == 12  # a kernel inside another adds nothing
 
 
-def test_the_trace_reader_finds_the_idle_gaps_between_kernels(tmp_path, capsys):
+def test_the_trace_reader_finds_the_idle_gaps_between_kernels(tmp_path, capsys, monkeypatch):
     """benchmarks/trace_gaps.py, which reads these traces from a GPU: the merged kernel time, and the gaps with the
     kernels on either side and the host call running when each began."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import trace_gaps
-    finally:
-        sys.path.pop(0)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import trace_gaps
     kernels = [{"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": d, "args": {"stream": s}}
                for n, ts, d, s in (("fwd", 0, 10, 7), ("copy", 5, 10, 8), ("bwd", 100, 10, 7), ("adam", 112, 3, 7))]
     spans = trace_gaps.busy_intervals(kernels)
@@ -43,8 +39,7 @@ def test_the_trace_reader_finds_the_idle_gaps_between_kernels(tmp_path, capsys):
     host = {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": 14, "dur": 90, "tid": 3}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": kernels + [host]}))
-    sys.argv = ["trace_gaps.py", str(path), "--min-us", "50"]
-    trace_gaps.main()
+    trace_gaps.main([str(path), "--min-us", "50"])
     out = capsys.readouterr().out
     assert "in kernels 0.03 ms (24.3%)" in out and "in 2 gaps" in out
     assert "85.0 us at +0.015 ms: after copy -> bwd" in out and "host: aten::item (tid 3)" in out
