@@ -1,14 +1,14 @@
 """Chat-data readers: the bundled ShareGPT V3 or a local .json/.jsonl file -> normalised conversations.
 
-Every record becomes a `Conversation`: a stable key (for the train/held-out split) and a list of
-{"role": "system"|"user"|"assistant", "content": str} messages. Two record styles are accepted:
-ShareGPT (`conversations` of {"from", "value"}) and OpenAI (`messages` of {"role", "content"}, content a string or
-a list of {"type": "text" | "input_text" | "output_text", "text"} parts; role `developer` is the system turn). Real
-chat dumps are messy, so a bad record is counted by reason and skipped, never a crash; only a problem with the
-file as a whole (missing, wrong type, broken mid-file, not UTF-8) is an error. A conversation with tool calls (a `tool`/`function` turn, or an assistant turn with `tool_calls` /
-`function_call`) is skipped as `tool_calls`: its rendering depends on each template's tool syntax. Files may start
-with a UTF-8 byte-order mark. `read_turn` is the one turn reader: training, regeneration and evaluation prompts
-(inference/prompts.py) all read messages through it.
+Every record becomes a `Conversation`: a stable key (for the train/held-out split) and a list of {"role":
+"system"|"user"|"assistant", "content": str} messages. Two record styles are accepted: ShareGPT (`conversations` of
+{"from", "value"}) and OpenAI (`messages` of {"role", "content"}, content a string or a list of {"type": "text" |
+"input_text" | "output_text", "text"} parts; role `developer` is the system turn). Real chat dumps are messy, so a bad
+record is counted by reason and skipped, never a crash; only a problem with the file as a whole (missing, wrong type,
+broken mid-file, not UTF-8) is an error. A conversation with tool calls (a `tool`/`function` turn, or an assistant
+turn with `tool_calls` / `function_call`) is skipped as `tool_calls`: its rendering depends on each template's tool
+syntax. Files may start with a UTF-8 byte-order mark. `read_turn` is the one turn reader: training, regeneration and
+evaluation prompts (inference/prompts.py) all read messages through it.
 """
 
 from __future__ import annotations
