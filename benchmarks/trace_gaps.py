@@ -2,10 +2,11 @@
 chrome trace (`train.profile_after` writes <out_dir>/profile/trace.json; `gpu_demo.sh cache_speed` brings it back
 gzipped), largest first, each with the kernels on either side and the host calls that were running when it began.
 
-  python3 benchmarks/trace_gaps.py TRACE.json[.gz] [--min-us 20] [--top 25]
+  python3 benchmarks/trace_gaps.py TRACE.json[.gz] [--min-us 20] [--top 25] [--settle-ms 2]
 
 Prints the device's share of the window in kernels (the union over streams), the idle time by gap size, the kernels
-by total time, and the largest gaps. Reads the trace only; runs anywhere.
+by total time, and the largest gaps: those of the window's first milliseconds apart (the profiler synchronizes when
+it starts: on 2026-12-07 every gap over 20 us of a 20-step window fell in its first millisecond), then the rest. Reads the trace only; runs anywhere.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("trace")
     ap.add_argument("--min-us", type=float, default=20.0, help="gaps shorter than this are not listed")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--settle-ms", type=float, default=2.0,
+                    help="gaps beginning this soon after the first kernel are listed apart: the profiler synchronizes "
+                         "the device when it starts, so the first step's launches find it idle")
     args = ap.parse_args(argv)
     events = load(args.trace)
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
@@ -74,14 +78,17 @@ def main(argv: list[str] | None = None) -> None:
     print("kernels by total time:")
     for n, d in names.most_common(15):
         print(f"  {d / 1e3:8.2f} ms  {n}")
-    print(f"largest gaps (>= {args.min_us:g} us):")
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset")]
-    for g, t, before, after in sorted(gaps, key=lambda x: -x[0])[:args.top]:
-        if g < args.min_us:
-            break
-        print(f"  {g:8.1f} us at +{(t - first) / 1e3:.3f} ms: after {before['name'][:50]} -> {after['name'][:50]}")
-        for call in host_calls_at(host, t)[-4:]:
-            print(f"      host: {call}")
+    settle = first + 1e3 * args.settle_ms
+    for title, part in ((f"in the first {args.settle_ms:g} ms", [x for x in gaps if x[1] < settle]),
+                        ("after it", [x for x in gaps if x[1] >= settle])):
+        listed = [x for x in sorted(part, key=lambda x: -x[0])[:args.top] if x[0] >= args.min_us]
+        print(f"largest gaps (>= {args.min_us:g} us) {title}: idle {sum(x[0] for x in part) / 1e3:.2f} ms in "
+              f"{len(part)} gaps{'' if listed else ', none listed'}")
+        for g, t, before, after in listed:
+            print(f"  {g:8.1f} us at +{(t - first) / 1e3:.3f} ms: after {before['name'][:50]} -> {after['name'][:50]}")
+            for call in host_calls_at(host, t)[-4:]:
+                print(f"      host: {call}")
 
 
 if __name__ == "__main__":

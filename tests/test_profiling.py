@@ -39,9 +39,10 @@ def test_the_trace_reader_finds_the_idle_gaps_between_kernels(tmp_path, capsys, 
     host = {"ph": "X", "cat": "cpu_op", "name": "aten::item", "ts": 14, "dur": 90, "tid": 3}
     path = tmp_path / "trace.json"
     path.write_text(json.dumps({"traceEvents": kernels + [host]}))
-    trace_gaps.main([str(path), "--min-us", "50"])
+    trace_gaps.main([str(path), "--min-us", "50", "--settle-ms", "0.05"])
     out = capsys.readouterr().out
     assert "in kernels 0.03 ms (24.3%)" in out and "in 2 gaps" in out
+    assert "in the first 0.05 ms: idle 0.09 ms in 1 gaps" in out and "after it: idle 0.00 ms in 1 gaps, none" in out
     assert "85.0 us at +0.015 ms: after copy -> bwd" in out and "host: aten::item (tid 3)" in out
     assert "2.0 us" not in out  # below --min-us
 
