@@ -40,7 +40,8 @@
 #   poll     wait until the demo ends or POLL_S seconds (default 500) pass, then the demo log's last lines (issue the
 #            next call at once: a machine idle for 30 s is given back, and the demo with it)
 #   finish   the demo's last poll and what follows, in one call so that no idle gap can lose the machine: wait for
-#            the demo to end (at most POLL_S), collect, then `bench` with what is left of FINISH_S (default 560)
+#            the demo to end (at most POLL_S), collect, then `bench` with what is left of FINISH_S (default 560;
+#            BENCH picks the benchmark: BENCH=generate for the regeneration row of record, ~120 s on an H100)
 #   vpoll / vcollect   the same for the variants (variants.txt, the regenerated data gzipped, and variants_files.tgz:
 #            logs, metrics_<variant>.jsonl, bench JSON)
 #   collect  the demo's table, logs, metrics and eval reports into $OUT
