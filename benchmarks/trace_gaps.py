@@ -2,11 +2,12 @@
 chrome trace (`train.profile_after` writes <out_dir>/profile/trace.json; `gpu_demo.sh cache_speed` brings it back
 gzipped), largest first, each with the kernels on either side and the host calls that were running when it began.
 
-  python3 benchmarks/trace_gaps.py TRACE.json[.gz] [--min-us 20] [--top 25] [--settle-ms 2]
+  PYTHONPATH=src python3 benchmarks/trace_gaps.py TRACE.json[.gz] [--min-us 20] [--top 25] [--settle-ms 2]
 
 Prints the device's share of the window in kernels (the union over streams), the idle time by gap size, the kernels
 by total time, and the largest gaps: those of the window's first milliseconds apart (the profiler synchronizes when
-it starts: on 2026-12-07 every gap over 20 us of a 20-step window fell in its first millisecond), then the rest. Reads the trace only; runs anywhere.
+it starts: on 2026-12-07 every gap over 20 us of a 20-step window fell in its first millisecond), then the rest.
+Reads the trace only; runs on any machine.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import collections
 import gzip
 import json
+
+from dflash_train.training.profiling import merge_intervals
 
 
 def load(path: str) -> list[dict]:
@@ -25,16 +28,15 @@ def load(path: str) -> list[dict]:
 
 
 def busy_intervals(kernels: list[dict]) -> list[tuple[float, float, dict, dict]]:
-    """Merged [start, end) intervals of kernel time (microseconds), each with its first and last kernel."""
-    merged: list[list] = []
-    for k in sorted(kernels, key=lambda e: e["ts"]):
+    """Merged [start, end) spans of kernel time (microseconds; profiling.merge_intervals), each with the kernel
+    that starts it and the one that ends it."""
+    first, last = {}, {}  # a span's first kernel by its start, its last by its end
+    for k in kernels:
         start, end = k["ts"], k["ts"] + k.get("dur", 0)
-        if merged and start <= merged[-1][1]:
-            if end > merged[-1][1]:
-                merged[-1][1], merged[-1][3] = end, k
-        else:
-            merged.append([start, end, k, k])
-    return [tuple(m) for m in merged]
+        first.setdefault(start, k)
+        last[end] = k
+    return [(a, b, first[a], last[b])
+            for a, b in merge_intervals([(k["ts"], k["ts"] + k.get("dur", 0)) for k in kernels])]
 
 
 def host_calls_at(events: list[dict], t: float) -> list[str]:

@@ -24,16 +24,21 @@ import torch
 log = logging.getLogger("dflash_train")
 
 
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of [start, end) intervals (any unit, in the same unit): time the device ran at least
-    one kernel, where kernels on several streams overlap."""
-    total, end = 0.0, float("-inf")
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """[start, end) intervals (any unit) -> the disjoint spans of their union, in order: where the device ran at
+    least one kernel, kernels on several streams overlapping. The gaps between spans are its idle time."""
+    spans: list[list[float]] = []
     for a, b in sorted(intervals):
-        if b <= end:
-            continue
-        total += b - max(a, end)
-        end = b
-    return total
+        if spans and a <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], b)
+        else:
+            spans.append([a, b])
+    return [(a, b) for a, b in spans]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals, in their unit: time the device spent in kernels."""
+    return sum(b - a for a, b in merge_intervals(intervals))
 
 
 class StepProfiler:
