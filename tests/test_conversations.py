@@ -344,7 +344,9 @@ def test_tokenize_workers_auto(tmp_path, monkeypatch):
     monkeypatch.setattr(conv_mod.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     assert conv_mod.tokenize_workers(cfg, small) == 0                  # a small file: spawning costs more
     monkeypatch.setattr(conv_mod, "AUTO_WORKERS_MIN_BYTES", 1)
-    assert conv_mod.tokenize_workers(cfg, small) == 8                  # at most 8
+    assert conv_mod.tokenize_workers(cfg, small) == 15                 # one core left free
+    monkeypatch.setattr(conv_mod.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    assert conv_mod.tokenize_workers(cfg, small) == 15                 # at most 15
     monkeypatch.setattr(conv_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert conv_mod.tokenize_workers(cfg, small) == 0                  # 2 cores (CI): in this process
     assert conv_mod.tokenize_workers(DataConfig(source=str(small), tokenize_workers=3), small) == 3

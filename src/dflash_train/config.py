@@ -148,7 +148,7 @@ class DataConfig:
     heldout_max: int = _f(256, "At most this many held-out conversations.")
     cache_dir: str | None = _f(None, "Where tokenized datasets are cached. Empty = <out_dir>/../.cache.")
     tokenize_workers: int | None = _f(None, "Worker processes that tokenize chat data (a cache miss), in order, the "
-                                            "result identical to 0 (in this process). Empty = auto: up to 8, one "
+                                            "result identical to 0 (in this process). Empty = auto: up to 15, one "
                                             "core left free, for files of 16 MB or more on Linux machines of 4+ "
                                             "cores.")
     synthetic_period: int = _f(8, "synthetic source: the stream repeats every this many tokens.")

@@ -41,7 +41,9 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 CACHE_VERSION = 2    # bump when the sample format or the masking rule changes
 ENCODE_BATCH = 64    # conversations per tokenizer call: the fast tokenizer parallelises over a batch
 AUTO_WORKERS_MIN_BYTES = 16 * 2**20  # data.tokenize_workers=auto: smaller files tokenize in this process
-AUTO_WORKERS_MAX = 8
+# data.tokenize_workers=auto: at most this many workers. On the 16-core GPU host (2026-12-07, ShareGPT chats, the
+# SmolLM2 tokenizer, benchmarks/tokenize_cpu.py): 8 workers 2.3-2.7k conv/s, 12 3.3-3.7k, 15 3.0-4.5k.
+AUTO_WORKERS_MAX = 15
 
 
 class ChatEncoder:
