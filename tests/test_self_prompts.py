@@ -407,6 +407,42 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
         == before
 
 
+@pytest.mark.parametrize("self_prompts", [5, 0])
+def test_tokenized_ahead_the_run_loads_its_data_from_the_cache(chat_target, tmp_path, monkeypatch, caplog,
+                                                                self_prompts):
+    """data.tokenize_ahead=true (here on a CPU, where auto leaves it off): every file the regeneration writes is
+    tokenized by a child process as it is written, with the settings the run then loads it with (a source of the
+    mix beside the self-written prompts' answers, or data.source alone with its data.max_samples), so that the
+    run's load is a cache hit, and the data are those a fresh tokenizing of the finished files gives."""
+    import dflash_train.generation.run_data as regen_mod
+    from dflash_train.config import build_config
+    from dflash_train.data.dataset import load_dataset, tokenized_cache_dir
+    tok = make_byte_tokenizer()
+    hf = letter_lm(chat_target, tok, p_end=0.08)
+    monkeypatch.setattr(regen_mod, "load_causal_lm", lambda target, device: hf)
+    cfg = build_config({"model": {"target": chat_target},
+                        "data": {"source": str(write_chats(tmp_path / "chats.jsonl", 40)), "regenerate": True,
+                                 "self_prompts": self_prompts, "max_samples": 30, "heldout_fraction": 0.1,
+                                 "regenerate_max_new_tokens": 8, "self_prompt_max_tokens": 24,
+                                 "tokenize_ahead": True},
+                        "pipeline": {"target_devices": ["cpu"], "drafter_devices": ["cpu"]},
+                        "run": {"out_dir": str(tmp_path / "run")}})
+    run = tmp_path / "run"
+    with caplog.at_level("INFO", logger="dflash_train"):
+        d = regenerate_data(cfg, run, tok)
+    files = 2 if self_prompts else 1
+    assert sum("while it was written: in the cache" in r.getMessage() for r in caplog.records) == files
+    assert not (run / ".tokenize_ahead").exists()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dflash_train"):
+        split = load_dataset(d, tok, cache_dir=tokenized_cache_dir(d, run))
+    loads = [r.getMessage() for r in caplog.records if r.getMessage().startswith("chat data")]
+    assert len(loads) == files and all("cache hit" in line for line in loads)
+    fresh = load_dataset(d, tok, cache_dir="")
+    assert (split.train, split.heldout, split.heldout_keys) == (fresh.train, fresh.heldout, fresh.heldout_keys)
+    assert len(split.train) >= 30 and split.heldout
+
+
 # ------------------------------------------------------------------------------------------ data.mix
 
 def write_source(path: Path, name: str, n: int) -> str:

@@ -151,6 +151,11 @@ class DataConfig:
                                             "result identical to 0 (in this process). Empty = auto: up to 15, one "
                                             "core left free, for files of 16 MB or more on Linux machines of 4+ "
                                             "cores.")
+    tokenize_ahead: bool | None = _f(None, "data.regenerate: a child process tokenizes each file the target writes "
+                                           "while it is being written, into the tokenized-data cache, so that the "
+                                           "training starts without tokenizing it (the same data either way). "
+                                           "Empty = auto: when the target regenerates on a GPU of a machine with 8+ "
+                                           "cores.")
     synthetic_period: int = _f(8, "synthetic source: the stream repeats every this many tokens.")
     synthetic_samples: int = _f(256, "synthetic source: number of documents.")
     synthetic_min_len: int = _f(24, "synthetic source: shortest document, in tokens (lengths are uniform in "

@@ -294,14 +294,30 @@ class _Batches:
             self.pool.shutdown(cancel_futures=True)
 
 
-def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -> DatasetSplit:
+def tokenize_into_cache(cfg: DataConfig, tokenizer, seed: int, cache_dir: str, until) -> Path:
+    """cfg.source, a .jsonl file that another process is still writing, tokenized as it grows (until() true: the
+    file is complete) and saved in the cache under the finished file's key, so that load_chat_dataset with the same
+    cfg, tokenizer, seed and cache_dir is then a cache hit (data/tokenize_ahead.py runs this beside a regeneration).
+    Returns the cache file."""
+    encoder = ChatEncoder(tokenizer, cfg.max_length)
+    path = Path(cfg.source).expanduser()  # as open_source names it
+    split = _build_split(cfg, path, encoder, seed, until=until, workers=0)
+    split.stats["cache"] = "miss"  # as load_chat_dataset saves it (a load says "hit")
+    cache_path = Path(cache_dir) / f"chat-{_cache_key(cfg, path, encoder, seed)}.npz"  # the finished file's
+    _save_cache(split, cache_path)
+    return cache_path
+
+
+def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int, until=None,
+                 workers: int | None = None) -> DatasetSplit:
     """Stream conversations in file order; route each by `is_heldout`; tokenize only what will be kept.
 
     Train = the first `max_samples` train-side conversations that tokenize to a usable sample; held-out = the first
     `heldout_max` held-out-side ones (later held-out-side chats are dropped, never trained on). Reading stops as soon
     as both are full. Conversations not yet tokenized (pending here or in flight in a worker) count as kept; as soon
     as that count would fill a destination, everything is tokenized and waited for, so the decision for every
-    conversation is exact and the result depends neither on ENCODE_BATCH nor on data.tokenize_workers."""
+    conversation is exact and the result depends neither on ENCODE_BATCH nor on data.tokenize_workers.
+    until: the file is still being written (iter_conversations). workers: tokenize_workers(cfg, path) if None."""
     counts: Counter = Counter()
     cap = {False: cfg.max_samples if cfg.max_samples is not None else math.inf,
            True: cfg.heldout_max if cfg.heldout_fraction > 0 else 0}
@@ -309,7 +325,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
     pending: list[tuple[Conversation, bool]] = []
     pending_by_side = {False: 0, True: 0}  # pending's conversations by destination (held out or not)
     n_read, stopped_early = 0, False
-    workers = tokenize_workers(cfg, path)
+    workers = tokenize_workers(cfg, path) if workers is None else workers
     if workers:
         log.info(f"tokenizing chats in {workers} worker processes (data.tokenize_workers)")
     batches = _Batches(encoder, workers)
@@ -335,7 +351,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -
                 keep(batches.drain())
 
         try:
-            for conv in iter_conversations(path, counts):
+            for conv in iter_conversations(path, counts, until):
                 n_read += 1
                 held = is_heldout(conv.key, seed, cfg.heldout_fraction)
                 n_pending = pending_by_side[held] + batches.pending(held)

@@ -31,6 +31,16 @@ def load_dataset(cfg: DataConfig, tokenizer=None, seed: int = 0, cache_dir: str 
     return load_chat_dataset(cfg, tokenizer, seed=seed, cache_dir=cache_dir)
 
 
+def tokenized_cache_dir(cfg: DataConfig, out_dir: Path) -> str:
+    """Where a run keeps its tokenized data: data.cache_dir, else .cache beside the run directory."""
+    return cfg.cache_dir or str(Path(out_dir).parent / ".cache")
+
+
+def mix_entry_config(cfg: DataConfig, source: str, cap: int | None) -> DataConfig:
+    """How data.mix reads one of its sources: as data.source, at most `cap` training conversations (None: all)."""
+    return dataclasses.replace(cfg, source=source, mix=[], max_samples=None if cap is None else max(cap, 1))
+
+
 def mix_counts(weights: list[float], total: int) -> list[int]:
     """Counts that sum to `total`, each total * w / sum(weights) rounded down or up (largest remainders round up;
     ties go to the earlier entry)."""
@@ -60,9 +70,7 @@ def load_mix(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str | None = 
     # With weights and a total, each source is read only up to its share (a 90k-conversation file stops early).
     caps = mix_counts([w for _, w in entries], total) if weighted and total is not None else [total] * len(entries)
     # A source whose share rounds to 0 is still read (one conversation): its held-out side is kept.
-    splits = [load_chat_dataset(dataclasses.replace(cfg, source=source, mix=[],
-                                                    max_samples=None if cap is None else max(cap, 1)),
-                                tokenizer, seed=seed, cache_dir=cache_dir)
+    splits = [load_chat_dataset(mix_entry_config(cfg, source, cap), tokenizer, seed=seed, cache_dir=cache_dir)
               for (source, _), cap in zip(entries, caps)]
     sizes = [len(s.train) for s in splits]
     weights = [w for _, w in entries] if weighted else sizes

@@ -13,10 +13,14 @@ evaluation prompts (inference/prompts.py) all read messages through it.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hashlib
+import io
 import json
+import os
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,17 +108,69 @@ def open_text(path: Path, what: str, error: type[UserError] = DataError) -> Iter
         raise error(f"{what} {str(path)!r} cannot be read ({e.strerror}); check its permissions.") from None
 
 
-def iter_conversations(path: Path, counts: Counter) -> Iterator[Conversation]:
+def iter_conversations(path: Path, counts: Counter, until=None) -> Iterator[Conversation]:
     """Stream normalised conversations from a .json list or a .jsonl file, in file order.
 
     `counts` receives skip reasons (`skip:<reason>`) and turn-level clean-ups. Streaming (not json.load) lets a
-    small run stop after the first few thousand records of a 125 MB file."""
+    small run stop after the first few thousand records of a 125 MB file. until: a .jsonl file that another process
+    is still appending to, read as it grows (`growing_lines`) until `until()` is true; the conversations are those
+    the finished file gives."""
+    if until is not None:
+        if path.suffix != ".jsonl":
+            raise ValueError(f"iter_conversations: only a .jsonl file can be read as it grows, not {path}")
+        yield from _normalised(_iter_jsonl(growing_lines(path, until), counts), counts)
+        return
     with open_text(path, "Data file") as f:
         records = _iter_jsonl(f, counts) if path.suffix == ".jsonl" else _iter_json_list(f, path, counts)
-        for index, record in enumerate(records):
-            conv = normalise_record(record, index, counts)
-            if conv is not None:
-                yield conv
+        yield from _normalised(records, counts)
+
+
+def _normalised(records: Iterator[Any], counts: Counter) -> Iterator[Conversation]:
+    for index, record in enumerate(records):
+        conv = normalise_record(record, index, counts)
+        if conv is not None:
+            yield conv
+
+
+GROWING_POLL_S = 0.05  # growing_lines: how long to wait at the end of the file before looking again
+
+
+def growing_lines(path: Path, until, poll_s: float = GROWING_POLL_S) -> Iterator[str]:
+    """The lines of a UTF-8 text file that a writer is still appending to, as iterating over the finished file
+    would give them (universal newlines, a byte-order mark at the start dropped). A line is yielded once its
+    newline is written; at the end of the file this waits `poll_s` and looks again, until `until()` is true: then
+    the file is complete and its last line, newline or not, is read too. The file may not exist yet; one replaced
+    or cut while it was read (the bytes read are not the complete file's) is a DataError at the end."""
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    while not path.exists():
+        finished = until()
+        if path.exists():
+            break
+        if finished:  # done without ever writing it
+            return
+        time.sleep(poll_s)
+    with open(path, "rb") as f:
+        tail, read = b"", 0
+        while True:
+            finished = until()  # asked before reading: what is read after it is true is the whole rest
+            chunk = f.read(1 << 20)
+            if chunk:
+                read += len(chunk)
+                tail += chunk
+                cut = tail.rfind(b"\n") + 1
+                if cut:
+                    yield from io.StringIO(decoder.decode(tail[:cut]), newline=None)
+                    tail = tail[cut:]
+                continue
+            if finished:
+                now = path.stat()
+                if now.st_ino != os.fstat(f.fileno()).st_ino or now.st_size != read:
+                    raise DataError(f"{path} was replaced or cut while it was read as it grew ({read} bytes read, "
+                                    f"{now.st_size} in the file); read it again once it is complete.")
+                if tail:
+                    yield from io.StringIO(decoder.decode(tail, final=True), newline=None)
+                return
+            time.sleep(poll_s)
 
 
 def normalise_record(record: Any, index: int, counts: Counter) -> Conversation | None:

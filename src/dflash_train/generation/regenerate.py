@@ -368,7 +368,7 @@ def read_sample_digests(out_path: Path) -> dict[str, set[str]]:
 def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversation, bool]], out_path: str | Path,
                        settings: RegenerateSettings, batch_size: int, total: int | None = None,
                        replace_mismatch: bool = False, stop: threading.Event | None = None,
-                       engines: dict[int, Engine] | None = None) -> RegenerateStats:
+                       engines: dict[int, Engine] | None = None, opened=None) -> RegenerateStats:
     """Regenerate `items` ((id, conversation, regenerate?) in order) into out_path (JSONL, appended, resumable).
 
     models: one HF causal LM, or a list of replicas (one per device). Several replicas each run a Regenerator in
@@ -379,7 +379,9 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
     was written stays, conversations in flight are dropped, and a rerun resumes after what was written.
     engines: kept by a caller that regenerates several files in a row (data.self_prompts: the source, then the
     answers), model index -> its engine: a later pass reuses it (same model, batch size, max_length and stop ids),
-    compiled decoding step and captured prefill graphs included, instead of building and capturing them again."""
+    compiled decoding step and captured prefill graphs included, instead of building and capturing them again.
+    opened(): called once out_path is checked, cleaned of a cut last line and open to append to (from then on it
+    only grows: data.tokenize_ahead starts reading it there)."""
     models = list(models) if isinstance(models, (list, tuple)) else [models]
     if batch_size < 1:
         raise UserError("The regeneration batch size must be at least 1.")
@@ -397,6 +399,8 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
     lock = threading.Lock()
     with open(out_path, "a", encoding="utf-8") as f, \
             progress_bar(total=total, desc="regenerating", unit="conv", leave=False) as bar:  # lines off a TTY
+        if opened is not None:
+            opened()
         def todo():
             for rid, conv, flag in items:
                 if all(sample_id(rid, k, settings.samples) in done for k in range(settings.samples)):

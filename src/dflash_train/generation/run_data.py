@@ -12,11 +12,14 @@ import logging
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from ..data.conversations import is_heldout
+from ..data.dataset import mix_entry_config, tokenized_cache_dir
 from ..data.sources import iter_conversations
+from ..data.tokenize_ahead import TokenizeAheads, wants_tokenize_ahead
 from ..devices import resolve_pipeline_devices
 from ..models.target import load_causal_lm
 from .engine import batch_size_for
@@ -29,7 +32,7 @@ log = logging.getLogger("dflash_train")
 
 def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, regenerated: Path, settings,
                         openers: dict[str, list[str]], stop: threading.Event | None = None, stats=None,
-                        engines: dict | None = None):
+                        engines: dict | None = None, ahead: Callable[[Path], None] | None = None):
     """data.self_prompts (called by regenerate_for_run with its loaded models, after it regenerated data.source into
     `regenerated` with `settings`): write <out_dir>/self_prompts.jsonl with the first model (a share of the prompts
     steered by `openers`, read_openers of data.self_prompt_openers), have every model
@@ -37,7 +40,8 @@ def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, 
     the DataConfig that reads both files, each conversation once (data.mix without weights: one log line each).
     A set `stop` (a time limit) ends both phases before their next batch: what was written is used. stats: the
     source's RegenerateStats, to which the answers' counts and seconds are added. engines: the source pass's
-    (regenerate_dataset), reused for the answers."""
+    (regenerate_dataset), reused for the answers. ahead(path): called once the answers' file is open to append to
+    (`TokenizeAheads.start`)."""
     d = cfg.data
     path = Path(out_dir) / "self_prompts.jsonl"
     answers = Path(out_dir) / "self_regenerated.jsonl"
@@ -55,7 +59,7 @@ def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, 
         answered = regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
                                       dataclasses.replace(settings, source=str(path)), batch_size=batch_size,
                                       total=len(records), replace_mismatch=cfg.run.overwrite, stop=stop,
-                                      engines=engines)
+                                      engines=engines, opened=ahead and (lambda: ahead(answers)))
         if stats is not None:
             stats.add(answered)
             stats.seconds += answered.seconds
@@ -113,19 +117,33 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
         timer.daemon = True
         timer.start()
     engines: dict = {}  # the source pass's engines, reused for the answers to self-written prompts
-    try:
-        stats = regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
-                                   total=total, replace_mismatch=cfg.run.overwrite, stop=stop, engines=engines)
-        if d.self_prompts and not stop.is_set():  # prompts the target writes itself (generation/self_prompts.py)
-            d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings, openers,
-                                    stop=stop, stats=stats, engines=engines)
-        elif d.self_prompts:
-            log.warning("data.regenerate_minutes ran out before data.self_prompts: training without self-written "
-                        "prompts (raise data.regenerate_minutes for them)")
-            d = dataclasses.replace(d, self_prompts=0)
-    finally:
-        if timer is not None:
-            timer.cancel()
+
+    def loads_as(path: Path):
+        """The settings the run loads a file written here with (data.tokenize_ahead tokenizes it with them): one
+        source of a data.mix beside the answers to self-written prompts, else data.source itself."""
+        asked = cfg.data  # as asked: `d` changes below
+        if asked.self_prompts:
+            return mix_entry_config(dataclasses.replace(asked, regenerate=False, self_prompts=0), str(path), None)
+        return dataclasses.replace(asked, source=str(path), regenerate=False)
+
+    with TokenizeAheads(wants_tokenize_ahead(d, cuda), loads_as, tokenizer, cfg.train.seed,
+                        tokenized_cache_dir(d, out_dir), Path(out_dir) / ".tokenize_ahead") as ahead:
+        try:
+            stats = regenerate_dataset(models, tokenizer, items(), out_path, settings, batch_size=batch,
+                                       total=total, replace_mismatch=cfg.run.overwrite, stop=stop, engines=engines,
+                                       opened=lambda: ahead.start(out_path))
+            ahead.complete(out_path)
+            if d.self_prompts and not stop.is_set():  # prompts the target writes itself (generation/self_prompts.py)
+                d = answer_self_prompts(cfg, Path(out_dir), tokenizer, models, batch, out_path, settings, openers,
+                                        stop=stop, stats=stats, engines=engines, ahead=ahead.start)
+            elif d.self_prompts:
+                log.warning("data.regenerate_minutes ran out before data.self_prompts: training without "
+                            "self-written prompts (raise data.regenerate_minutes for them)")
+                d = dataclasses.replace(d, self_prompts=0)
+        finally:
+            if timer is not None:
+                timer.cancel()
+        ahead.finish()
     if stop.is_set():
         log.info(f"data.regenerate: stopped at the {d.regenerate_minutes:g}-minute limit; what was written is used "
                  "(a rerun into the same directory resumes)")

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from ..config import Config, ConfigError
-from ..data.dataset import load_dataset
+from ..data.dataset import load_dataset, tokenized_cache_dir
 from ..data.packing import DatasetSplit
 from ..data.packing import BatchSchedule
 from ..models.build import build_drafter, init_layers_from_target
@@ -72,7 +72,7 @@ def build_run(cfg: Config, replicas: int = 1, out_dir: Path | None = None,
     synthetic = cfg.data.source == "synthetic"
     info = target_config_info(cfg.model.target)
     tokenizer = None if synthetic and cfg.model.target is not None else load_tokenizer(cfg.model.target)
-    cache = cfg.data.cache_dir or str(out.parent / ".cache")
+    cache = tokenized_cache_dir(cfg.data, out)
     data_cfg = cfg.data
     if cfg.data.regenerate:  # the target rewrites the answers first; training then reads <out>/regenerated.jsonl
         if regenerate is None:
