@@ -479,3 +479,20 @@ def test_gguf_pre_tokenizer_restored_by_its_type(tmp_path):
         assert (got != "as converted") == changed, pre
         if changed:
             assert pre in GGUF_PRE_TOKENIZERS and "Digits" in str(got.__getstate__())
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_loading_the_cache_leaves_the_collector_as_it_found_it(tmp_path, tok, enabled):
+    """The cache's samples are built with the garbage collector paused; it is on again after, unless it was off."""
+    import gc
+    path = write_jsonl(tmp_path / "d.jsonl", many_chats(30))
+    cfg = DataConfig(source=str(path), heldout_fraction=0.2)
+    first = load_chat_dataset(cfg, tok, cache_dir=str(tmp_path / "cache"))
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        again = load_chat_dataset(cfg, tok, cache_dir=str(tmp_path / "cache"))
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert again.stats["cache"] == "hit" and (again.train, again.heldout) == (first.train, first.heldout)
