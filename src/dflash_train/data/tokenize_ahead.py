@@ -14,7 +14,7 @@ finished file's key (data/conversations.tokenize_into_cache); the run's own load
 The child is `python -m dflash_train.data.tokenize_ahead SCRATCH` (a fresh interpreter: nothing inherited from the
 run's threads or CUDA, and no re-import of the caller's main module), tokenizing in its own process with the fast
 tokenizer's threads (TOKENIZERS_PARALLELISM, RAYON_NUM_THREADS=threads). It learns that the file is complete from
-the file SCRATCH/done, and shows it is alive by writing how many lines it has read since then into SCRATCH/progress.
+the file SCRATCH/done, and from then on shows it is alive by counting its reads of the file in SCRATCH/progress.
 Only a cache is shared: the run's data are what load_chat_dataset gives from the finished file, with or without it.
 """
 
@@ -32,11 +32,9 @@ from pathlib import Path
 
 log = logging.getLogger("dflash_train")
 
-IDLE_S = 60.0   # finish() stops a child that has read nothing for this long after the file was complete
-POLL_S = 0.2    # finish()'s wait between looks at the child
-TAIL_LINES = 12
-
-
+IDLE_S = 60.0       # finish() stops a child that has read nothing for this long after the file was complete
+POLL_S = 0.2        # finish()'s wait between looks at the child
+TAIL_LINES = 12     # of the child's log, quoted when it fails
 AUTO_MIN_CORES = 8  # data.tokenize_ahead=auto: on a GPU host with cores to spare beside the regeneration
 
 
@@ -45,13 +43,16 @@ def wants_tokenize_ahead(cfg, on_gpu: bool) -> bool:
     AUTO_MIN_CORES or more (on a CPU the child would take the cores the regeneration runs on)."""
     if cfg.tokenize_ahead is not None:
         return cfg.tokenize_ahead
-    return on_gpu and len(os.sched_getaffinity(0)) >= AUTO_MIN_CORES if hasattr(os, "sched_getaffinity") else False
+    return on_gpu and _cores() >= AUTO_MIN_CORES
 
 
 def ahead_threads() -> int:
     """The child's tokenizer threads: a quarter of the cores, 1 to 4 (4 outpace the demo's regeneration ~5x)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(4, cores // 4))
+    return max(1, min(4, _cores() // 4))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class TokenizeAhead:
@@ -68,18 +69,19 @@ class TokenizeAhead:
         with open(self.log_path, "w", encoding="utf-8") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "dflash_train.data.tokenize_ahead", str(self.scratch)],
                                          stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        self.started = time.monotonic()
+        self.completed: float | None = None  # when complete() was first called
 
     def complete(self) -> None:
         """The file is complete (its writer has closed it): the child reads it to the end and saves."""
-        (self.scratch / "done").touch()
+        if self.completed is None:
+            (self.scratch / "done").touch()
+            self.completed = time.monotonic()
 
     def finish(self, idle_s: float = IDLE_S) -> bool:
         """The file is complete: wait for the child to save its cache entry (True). A child that exits with an
         error, or reads nothing for idle_s seconds, is a warning (False): the run's load tokenizes the file itself."""
         self.complete()
         waited = time.monotonic()
-        early = self.proc.poll() is not None
         last, last_seen = None, time.monotonic()
         while self.proc.poll() is None:
             progress = self._progress()
@@ -96,8 +98,9 @@ class TokenizeAhead:
             log.warning(f"tokenizing {self.source} ahead: the child exited with {self.proc.returncode} (the run "
                         f"tokenizes the file itself); the end of {self.log_path}:\n{tail}")
             return False
-        after = "before the file was complete" if early else f"{time.monotonic() - waited:.1f} s after it was complete"
-        log.info(f"tokenized {self.source} while it was written: in the cache {after}")
+        now = time.monotonic()
+        log.info(f"tokenized {self.source} while it was written: in the cache at most {now - self.completed:.1f} s "
+                 f"after the file was complete (the run waited {now - waited:.1f} s for it)")
         shutil.rmtree(self.scratch, ignore_errors=True)
         return True
 
