@@ -125,12 +125,6 @@ class TokenizeAhead:
         except OSError:
             return []
 
-    def __enter__(self) -> TokenizeAhead:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 class TokenizeAheads:
     """The files of one regeneration, each tokenized ahead by a TokenizeAhead of its own; nothing when not enabled.
