@@ -47,7 +47,8 @@ def wants_tokenize_ahead(cfg, on_gpu: bool) -> bool:
 
 
 def ahead_threads() -> int:
-    """The child's tokenizer threads: a quarter of the cores, 1 to 4 (4 outpace the demo's regeneration ~5x)."""
+    """The child's tokenizer threads: a quarter of the cores, 1 to 4. One kept up with 300 ShareGPT conversations a
+    second on the dev box (benchmarks/tokenize_ahead_cpu.py); the demo's answers come at ~540 a second."""
     return max(1, min(4, _cores() // 4))
 
 
