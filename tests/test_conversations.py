@@ -347,6 +347,8 @@ def test_tokenize_workers_auto(tmp_path, monkeypatch):
     assert conv_mod.tokenize_workers(cfg, small) == 15                 # one core left free
     monkeypatch.setattr(conv_mod.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     assert conv_mod.tokenize_workers(cfg, small) == 15                 # at most 15
+    few = DataConfig(source=str(small), max_samples=512)
+    assert conv_mod.tokenize_workers(few, small) == 0                  # a few conversations of a large file
     monkeypatch.setattr(conv_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert conv_mod.tokenize_workers(cfg, small) == 0                  # 2 cores (CI): in this process
     assert conv_mod.tokenize_workers(DataConfig(source=str(small), tokenize_workers=3), small) == 3

@@ -150,7 +150,7 @@ class DataConfig:
     tokenize_workers: int | None = _f(None, "Worker processes that tokenize chat data (a cache miss), in order, the "
                                             "result identical to 0 (in this process). Empty = auto: up to 15, one "
                                             "core left free, for files of 16 MB or more on Linux machines of 4+ "
-                                            "cores.")
+                                            "cores, unless data.max_samples is below 4096.")
     tokenize_ahead: bool | None = _f(None, "data.regenerate: a child process tokenizes each file the target writes "
                                            "while it is being written, into the tokenized-data cache, so that the "
                                            "training starts without tokenizing it (the same data either way). "

@@ -41,7 +41,8 @@ log = logging.getLogger("dflash_train")
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 CACHE_VERSION = 2    # bump when the sample format or the masking rule changes
 ENCODE_BATCH = 64    # conversations per tokenizer call: the fast tokenizer parallelises over a batch
-AUTO_WORKERS_MIN_BYTES = 16 * 2**20  # data.tokenize_workers=auto: smaller files tokenize in this process
+AUTO_WORKERS_MIN_BYTES = 16 * 2**20  # data.tokenize_workers=auto: smaller files tokenize in this process, and
+AUTO_WORKERS_MIN_SAMPLES = 4096      # so do fewer conversations of a large one (the compile warm-up reads 512)
 # data.tokenize_workers=auto: at most this many workers. On the 16-core GPU host (2026-12-07, ShareGPT chats, the
 # SmolLM2 tokenizer, benchmarks/tokenize_cpu.py): 8 workers 2.3-2.7k conv/s, 12 3.3-3.7k, 15 3.0-4.5k.
 AUTO_WORKERS_MAX = 15
@@ -220,7 +221,8 @@ def tokenize_workers(cfg: DataConfig, path: Path) -> int:
     if sys.platform != "linux":  # workers would be spawned (_Batches): worth it only where a user asks for them
         return 0
     cores = len(os.sched_getaffinity(0))
-    if cores < 4 or path.stat().st_size < AUTO_WORKERS_MIN_BYTES:
+    few = cfg.max_samples is not None and cfg.max_samples < AUTO_WORKERS_MIN_SAMPLES  # read only the file's start
+    if cores < 4 or few or path.stat().st_size < AUTO_WORKERS_MIN_BYTES:
         return 0
     return min(AUTO_WORKERS_MAX, cores - 1)
 
