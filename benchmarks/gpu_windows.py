@@ -101,8 +101,10 @@ def report(metrics: Path, log: Path, eval_every: int = EVAL_EVERY, checkpoint_ev
         for name, part in (("first epoch", [r for r in windows if r["step"] <= rows_per_epoch]),
                            ("after the first epoch", [r for r in windows if r["step"] - LOG_EVERY >= rows_per_epoch])):
             if part:
-                print(f"{name}: median {statistics.median(r['tokens_per_s'] for r in part):,.0f} tokens/s over "
-                      f"{len(part)} windows")
+                part_med = statistics.median(r["tokens_per_s"] for r in part)
+                near = sum(abs(r["tokens_per_s"] / part_med - 1) <= 0.03 for r in part)
+                print(f"{name}: median {part_med:,.0f} tokens/s over {len(part)} windows, {near} of them within 3% "
+                      "of it")
     print("step | tokens/s | vs median | validation s left out | what the window held")
     for r in windows:
         dev = r["tokens_per_s"] / med - 1
