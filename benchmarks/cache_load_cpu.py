@@ -5,7 +5,8 @@ collector paused while the samples are built (as the loader does) and running.
   PYTHONPATH=src .venv/bin/python benchmarks/cache_load_cpu.py [N]
 
 N random samples (default 99,000, the GPU demo's self-written answers; 50-499 tokens each, ~27 M tokens) saved as a
-cache file, then loaded three times each way, alternating; prints seconds per load.
+cache file, then loaded three times each way, alternating; prints seconds per load, and the time to build the
+flat arrays a BatchSchedule packs from (FlatSamples) once.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 import dflash_train.data.conversations as conversations
-from dflash_train.data.packing import DatasetSplit
+from dflash_train.data.packing import DatasetSplit, FlatSamples
 
 
 def main(argv: list[str]) -> None:
@@ -48,6 +49,10 @@ def main(argv: list[str]) -> None:
         conversations._collector_paused = paused
         for way, seconds in times.items():
             print(f"collector {way}: " + ", ".join(f"{s:.2f}" for s in seconds) + " s a load")
+        split = conversations._load_cache(path)
+        t0 = time.perf_counter()
+        FlatSamples(split.train)  # what each BatchSchedule built for itself before it could take another's
+        print(f"FlatSamples of the loaded samples: {time.perf_counter() - t0:.2f} s")
 
 
 if __name__ == "__main__":

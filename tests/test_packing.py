@@ -213,6 +213,27 @@ def test_fixed_rows_train_epoch_zeros_rows_in_a_fresh_order_and_name_them_alike(
         assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
 
 
+
+def test_a_schedule_reuses_another_schedules_flat_samples(monkeypatch):
+    """build_run sizes the epoch with one schedule and trains with another: the second takes the first's flat arrays
+    (built once for both) and gives exactly the batches it would have built them for itself."""
+    import dflash_train.data.packing as packing
+    from dflash_train.data.synthetic import synthetic_samples
+
+    samples = synthetic_samples(40, period=8, seed=0, max_len=96)
+    alone = list(packing.BatchSchedule(samples, 256, 16, seed=3, max_batches=30, fixed_rows=True).iter_from(0))
+    built = []
+    real = packing.FlatSamples
+    monkeypatch.setattr(packing, "FlatSamples", lambda s: built.append(1) or real(s))
+    sizing = packing.BatchSchedule(samples, 256, 16, seed=3, max_batches=1)
+    assert sizing.rows_per_epoch > 0
+    training = packing.BatchSchedule(samples, 256, 16, seed=3, max_batches=30, fixed_rows=True,
+                                     flat=sizing.flat_samples())
+    batches = list(training.iter_from(0))
+    assert len(built) == 1
+    for a, b in zip(batches, alone, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.tensors().values(), b.tensors().values()))
+
 @pytest.mark.parametrize("n,block", [(1, 32), (7, 32), (32, 32), (33, 32), (1000, 32), (2693, 32), (50, 8)])
 def test_spread_order_is_a_permutation_whose_blocks_share_every_suffix_of_ids_evenly(n, block):
     """A later epoch's row order (fixed rows, train.feature_cache_gb): random, but every `block` consecutive places

@@ -103,7 +103,7 @@ def build_run(cfg: Config, replicas: int = 1, out_dir: Path | None = None,
                      f"(train.epochs={t.epochs:g})")
     schedule = BatchSchedule(data.train, cfg.train.token_budget, cfg.train.num_anchors, cfg.train.seed,
                              total_steps * batches_per_step, pad_id, repeats=t.steps_per_row,
-                             fixed_rows=t.keeps_features)
+                             fixed_rows=t.keeps_features, flat=rows.flat_samples())
     if cfg.model.drafter_init:
         drafter = load_drafter(cfg.model.drafter_init).float()
     else:
