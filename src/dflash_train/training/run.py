@@ -128,7 +128,7 @@ def build_run(cfg: Config, replicas: int = 1, out_dir: Path | None = None,
     # A data.mix may repeat a small source: its stats count each distinct conversation once.
     summary = {"conversations": len(data.train),
                "unique_tokens": data.stats.get("unique_tokens", sum(len(s.input_ids) for s in data.train)),
-               "supervised_tokens": sum(sum(s.loss_mask) for s in data.train),
+               "supervised_tokens": int(rows.flat_samples().mask.sum()),  # the demo's 27 M: 0.02 s, summing lists 0.8
                # passes over the rows, the schedule's (a clock may stop it); a row trains steps_per_row steps
                "epochs": total_steps * batches_per_step / (rows_per_epoch * t.steps_per_row),
                "rows_per_epoch": rows_per_epoch, "batches_per_step": batches_per_step,
