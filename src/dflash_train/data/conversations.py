@@ -195,13 +195,12 @@ def load_chat_dataset(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str 
     cache_dir = cache_dir if cache_dir is not None else cfg.cache_dir
     t0 = time.perf_counter()
     with open_source(cfg.source) as path:
-        cache_path = Path(cache_dir) / f"chat-{_cache_key(cfg, path, encoder, seed)}.npz" if cache_dir else None
+        cache_path = _cache_path(cache_dir, cfg, path, encoder, seed) if cache_dir else None
         if cache_path is not None and cache_path.is_file():
             split = _load_cache(cache_path)
             split.stats["cache"] = "hit"
         else:
-            with _collector_paused():
-                split = _build_split(cfg, path, encoder, seed)
+            split = _build_split(cfg, path, encoder, seed)
             split.stats["cache"] = "off" if cache_path is None else "miss"
             if cache_path is not None:
                 try:
@@ -305,10 +304,9 @@ def tokenize_into_cache(cfg: DataConfig, tokenizer, seed: int, cache_dir: str, u
     Returns the cache file."""
     encoder = ChatEncoder(tokenizer, cfg.max_length)
     path = Path(cfg.source).expanduser()  # as open_source names it
-    with _collector_paused():
-        split = _build_split(cfg, path, encoder, seed, until=until, workers=0)
+    split = _build_split(cfg, path, encoder, seed, until=until, workers=0)
     split.stats["cache"] = "miss"  # as load_chat_dataset saves it (a load says "hit")
-    cache_path = Path(cache_dir) / f"chat-{_cache_key(cfg, path, encoder, seed)}.npz"  # the finished file's
+    cache_path = _cache_path(cache_dir, cfg, path, encoder, seed)  # the finished file's: read after until() held
     _save_cache(split, cache_path)
     return cache_path
 
@@ -335,8 +333,9 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int, u
         log.info(f"tokenizing chats in {workers} worker processes (data.tokenize_workers)")
     batches = _Batches(encoder, workers)
 
-    with progress_bar(total=None if cap[False] == math.inf else cap[False], desc="tokenizing chats", unit="conv",
-                      leave=False) as bar:  # plain lines when stderr is not a TTY
+    # the samples hold no reference cycles: the collector would only walk them (_collector_paused)
+    with _collector_paused(), progress_bar(total=None if cap[False] == math.inf else cap[False],
+                                           desc="tokenizing chats", unit="conv", leave=False) as bar:  # lines off a TTY
         def keep(done: list[tuple[list, list[Sample | str]]]) -> None:
             for batch, results in done:
                 for (conv, held), result in zip(batch, results):
@@ -416,6 +415,11 @@ def _no_training_data(cfg: DataConfig, path: Path, n_read: int, skipped: dict[st
 
 
 # ---------------------------------------------------------------------------------------------- cache
+
+def _cache_path(cache_dir: str, cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -> Path:
+    """The cache file of `path` tokenized with these settings (load_chat_dataset, tokenize_into_cache)."""
+    return Path(cache_dir) / f"chat-{_cache_key(cfg, path, encoder, seed)}.npz"
+
 
 def _cache_key(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -> str:
     """Everything that changes the tokenized result. The file is identified by size + mtime, not content:

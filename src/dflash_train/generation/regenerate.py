@@ -401,6 +401,7 @@ def regenerate_dataset(models, tokenizer, items: Iterable[tuple[str, Conversatio
             progress_bar(total=total, desc="regenerating", unit="conv", leave=False) as bar:  # lines off a TTY
         if opened is not None:
             opened()
+
         def todo():
             for rid, conv, flag in items:
                 if all(sample_id(rid, k, settings.samples) in done for k in range(settings.samples)):
