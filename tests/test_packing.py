@@ -309,6 +309,33 @@ def test_row_features_spill_the_rows_past_the_device_budget_to_host_memory():
     assert only_host.capacity == 0 and sorted(only_host.kept_host) == [0, 1] and only_host.computed == 2
 
 
+def test_the_copier_runs_on_a_small_team_and_leaves_every_other_thread_alone(monkeypatch):
+    """The host tier's copier does its intra-op work (faulting a row's pages in) on COPY_THREADS threads, not on
+    every core; the count a thread yet to start takes, and the caller's own, stay what they were."""
+    import threading
+
+    from dflash_train.models.feature_cache import RowFeatures
+
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("a team per thread is OpenMP's; other backends keep one pool")
+    monkeypatch.setattr(RowFeatures, "COPY_THREADS", 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # the suite runs on one (conftest); OpenMP takes more threads than cores
+    try:
+        rows = RowFeatures(lambda index: index, budget_bytes=0, host_budget_bytes=2**20, name="target0")
+        rows(0, lambda: torch.ones(4, 6))
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert rows._copier.submit(torch.get_num_threads).result() == 2
+        assert later == [3] and torch.get_num_threads() == 3
+        assert torch.equal(rows.kept_host[0].result(), torch.ones(4, 6))
+        rows.release()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_host_memory_available_is_capped_by_every_cgroup_limit(tmp_path):
     """A container's /proc/meminfo shows the whole machine: the host tier's size must also respect the memory limit
     of the process's cgroup and its ancestors (v2 and v1), the reclaimable page cache not counted as used."""

@@ -102,11 +102,14 @@ class RowFeatures:
     served from host memory train as fast as rows kept on the device; the copy out, when the worker made it itself
     (~40 ms a 45 MiB row), halved the first epoch's speed, hence the thread (at most MAX_PENDING_COPIES rows on their
     way out, each holding its device tensor until copied); with it a first epoch that copies every row out runs at
-    0.87x one that keeps none (H200, 2026-12-07), and the later epochs' rows cost no target forward."""
+    0.87x one that keeps none (H200, 2026-12-07) while the copier's zero_() ran on every core, and as fast as one
+    that keeps none with the whole process on 2 or 4 intra-op threads (H100, 2026-12-07; since then the copier's
+    own team is small, _copier_pool, not yet timed on a GPU); the later epochs' rows cost no target forward."""
 
     CUDA_HEADROOM = 8 * 2**30
     HOST_HEADROOM = 8 * 2**30  # host memory left to the rest of the process and the machine
     MAX_PENDING_COPIES = 4     # rows being copied out to host memory at once; past that the worker waits
+    COPY_THREADS = 4           # the copier's intra-op threads (_copier_pool)
     # The host tiers of this process (one per target device) that hold a share of host memory: each worker sizes
     # its tier when its first row is known, at about the same moment as the others and before any has filled its
     # own, so what the OS reports available is shared out, not promised to each in full. A tier's share ends with
@@ -161,7 +164,7 @@ class RowFeatures:
         """A host copy of feats, made by the copier thread once the work that computed feats (on the calling
         thread's stream) is done; the caller goes on at once unless MAX_PENDING_COPIES copies are still running."""
         if self._copier is None:
-            self._copier = ThreadPoolExecutor(1, thread_name_prefix=f"{self.name}-copy-out")
+            self._copier = _copier_pool(f"{self.name}-copy-out", self.COPY_THREADS)
             if feats.device.type == "cuda":
                 self._copy_stream = torch.cuda.Stream(feats.device)
         ready = None
@@ -220,10 +223,37 @@ class RowFeatures:
                 f"{self.computed} target forwards, {self.served} rows served from the cache")
 
 
+def _copier_pool(name: str, threads: int) -> ThreadPoolExecutor:
+    """One thread for the copies out, whose intra-op work (_host_copy's zero_()) runs on at most `threads` threads.
+
+    Under OpenMP each thread that runs parallel work leads a team of its own, by default as large as the machine.
+    On a 16-core H100 host the copier's 16, faulting pages in and spinning between rows, took the cores the training
+    threads launch their kernels from: a first epoch that copied every row out ran at 225-238k tokens/s against 280k
+    for one that kept nothing, and at 280k with the whole process on 2 or 4 intra-op threads (OMP_NUM_THREADS;
+    `benchmarks/gpu_demo.sh cache_speed`, docs/BENCHMARKS.md "Feature cache"). One thread alone (numpy's fill) was
+    too slow to keep up (43 ms a 45 MiB row against a 29 ms step).
+
+    torch.set_num_threads in the copier sets its team, but also the size every thread not yet started with torch
+    takes; the caller sets that back at once (a thread that starts torch in between gets the copier's size). Other
+    parallel backends have one pool for the process: the copier keeps it."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return ThreadPoolExecutor(1, thread_name_prefix=name)
+    default = torch.get_num_threads()
+
+    def small_team():
+        torch.get_num_threads()  # this thread's first use of torch takes the default; the line below then sticks
+        torch.set_num_threads(min(threads, default))
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name, initializer=small_team)
+    pool.submit(int).result()       # the initializer has run
+    torch.set_num_threads(default)  # the default for threads yet to start, and the caller's own (unchanged)
+    return pool
+
+
 def _host_copy(feats: torch.Tensor, ready, stream) -> torch.Tensor:
     """feats -> a copy in (pageable) host memory, on `stream` after the `ready` event on CUDA: returns when done.
 
-    The fresh buffer's pages are faulted in first by zero_(), which runs on the intra-op threads: inside a
+    The fresh buffer's pages are faulted in first by zero_(), which runs on the copier's intra-op threads: inside a
     device-to-host copy the driver's one thread would fault them in one at a time, and faulting, not copying, is
     most of a row's cost (a 45 MiB row on the 2-core dev box, `benchmarks/host_copy_cpu.py`: into a buffer already
     faulted in 6.7-8.2 ms on one thread, into a fresh one 25.7-30.8 ms on one thread, 15-18 ms on two)."""
