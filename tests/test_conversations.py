@@ -425,6 +425,35 @@ def write_gguf_with_every_value_type(path, order) -> None:
     w.close()
 
 
+def test_inside_gguf_parsed_once_a_file_is_parsed_once_and_the_names_come_back(tmp_path):
+    """models/target.gguf_parsed_once: the demo's conversion loads the tokenizer and the model of one GGUF, and
+    transformers parses the file for each; inside, the second parse is the first one's reader (and gguf's name map
+    built once per architecture and depth), a different file gets its own, and on the way out, an error's too,
+    gguf's own functions are back."""
+    import gguf
+    from gguf import GGUFEndian
+
+    from dflash_train.models.target import gguf_parsed_once
+
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_gguf_with_every_value_type(first, GGUFEndian.LITTLE)
+    write_gguf_with_every_value_type(second, GGUFEndian.LITTLE)
+    real = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        from gguf import GGUFReader, get_tensor_name_map  # as transformers imports them, at each call
+        reader = GGUFReader(first)
+        assert GGUFReader(first) is reader and GGUFReader(second) is not reader
+        assert bytes(reader.fields["tokenizer.ggml.pre"].parts[-1]) == b"smollm"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert get_tensor_name_map(arch, 2) is get_tensor_name_map(arch, 2)
+        assert get_tensor_name_map(arch, 3) is not get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == real
+    with pytest.raises(RuntimeError, match="mid-load"), gguf_parsed_once():
+        raise RuntimeError("mid-load")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == real
+    assert gguf.GGUFReader(first) is not gguf.GGUFReader(first)
+
+
 def test_gguf_string_value_reads_what_gguf_reads(tmp_path):
     """gguf_string_value skips every kind of metadata value on its way to a key (strings, scalars, arrays of numbers,
     strings and bools) and returns what gguf's own GGUFReader returns, in files of either byte order; a header cut

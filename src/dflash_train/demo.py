@@ -134,7 +134,7 @@ def local_embedded_target(cache_root: Path, gguf: str | None = None) -> Path:
     converted once into cache_root."""
     from transformers import AutoModelForCausalLM
 
-    from .models.target import load_causal_lm, load_tokenizer
+    from .models.target import gguf_parsed_once, load_causal_lm, load_tokenizer
 
     if gguf is None:
         dest = cache_root / HF_CACHE_NAME
@@ -145,8 +145,9 @@ def local_embedded_target(cache_root: Path, gguf: str | None = None) -> Path:
     log.info(f"converting {gguf or 'the embedded SmolLM2 GGUF'} into {dest} (once; later runs load it in a second)")
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = load_tokenizer(gguf)
-    model = load_causal_lm(gguf, "cpu", torch.float32)
+    with gguf_parsed_once():  # runs before any other thread starts
+        tokenizer = load_tokenizer(gguf)
+        model = load_causal_lm(gguf, "cpu", torch.float32)
     # transformers refuses to save a model loaded from GGUF ("quantized with gguf"): the same weights, already
     # dequantized, go into a plain model of the same config instead (logits identical, checked in the tests).
     config = copy.deepcopy(model.config)

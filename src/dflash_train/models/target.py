@@ -27,6 +27,8 @@ doc_ids, so the mask is an input of the compiled or captured forward, never a re
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -86,6 +88,27 @@ def _from_pretrained(cls, path: Path, **kw):
     if path.is_file():
         return cls.from_pretrained(str(path.parent), gguf_file=path.name, **kw)
     return cls.from_pretrained(str(path), **kw)
+
+
+@contextlib.contextmanager
+def gguf_parsed_once():
+    """Inside: the GGUF loads of one thread (a tokenizer, then a model, of the same file) parse the file once.
+
+    transformers reads a GGUF afresh for each of the tokenizer, the config and the weights (gguf.GGUFReader, ~4 s
+    each for SmolLM2's 49,152-token vocabulary on the dev box), and builds gguf's tensor-name map once per module of
+    the model (~400 times). Both are pure functions of their arguments; for the duration, gguf's two functions,
+    which transformers imports at each call, remember their results. The demo's conversion of the embedded GGUF:
+    21.9-23.4 s -> 12.7 s on the dev box (`benchmarks/gguf_convert_cpu.py`). Not thread-safe: the module's names
+    are swapped for the whole process, so use it where no other thread loads a GGUF."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
 # Any one of these beside config.json is a tokenizer transformers can load (fast, sentencepiece, BPE, WordPiece).
