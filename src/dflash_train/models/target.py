@@ -100,8 +100,11 @@ def gguf_parsed_once():
     which transformers imports at each call, remember their results. The demo's conversion of the embedded GGUF:
     21.9-23.4 s -> 12.7 s on the dev box (`benchmarks/gguf_convert_cpu.py`). Not thread-safe: the module's names
     are swapped for the whole process, so use it where no other thread loads a GGUF."""
-    import gguf
-
+    try:
+        import gguf
+    except ImportError:  # the load itself says what to install
+        yield
+        return
     saved = gguf.GGUFReader, gguf.get_tensor_name_map
     gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0])
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])
