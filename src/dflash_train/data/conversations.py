@@ -213,13 +213,18 @@ def load_chat_dataset(cfg: DataConfig, tokenizer, seed: int = 0, cache_dir: str 
     return split
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity where the OS keeps one, else the machine's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def tokenize_workers(cfg: DataConfig, path: Path) -> int:
     """data.tokenize_workers, resolved: the number of worker processes (0: tokenize in this process)."""
     if cfg.tokenize_workers is not None:
         return cfg.tokenize_workers
     if sys.platform != "linux":  # workers would be spawned (_Batches): worth it only where a user asks for them
         return 0
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     few = cfg.max_samples is not None and cfg.max_samples < AUTO_WORKERS_MIN_SAMPLES  # read only the file's start
     if cores < 4 or few or path.stat().st_size < AUTO_WORKERS_MIN_BYTES:
         return 0

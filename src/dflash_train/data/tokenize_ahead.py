@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from .conversations import tokenize_into_cache, usable_cores
+
 log = logging.getLogger("dflash_train")
 
 IDLE_S = 60.0       # finish() stops a child that has read nothing for this long after the file was complete
@@ -43,17 +45,13 @@ def wants_tokenize_ahead(cfg, on_gpu: bool) -> bool:
     AUTO_MIN_CORES or more (on a CPU the child would take the cores the regeneration runs on)."""
     if cfg.tokenize_ahead is not None:
         return cfg.tokenize_ahead
-    return on_gpu and _cores() >= AUTO_MIN_CORES
+    return on_gpu and usable_cores() >= AUTO_MIN_CORES
 
 
 def ahead_threads() -> int:
     """The child's tokenizer threads: a quarter of the cores, 1 to 4. One kept up with 300 ShareGPT conversations a
     second on the dev box (benchmarks/tokenize_ahead_cpu.py); the demo's answers come at ~540 a second."""
-    return max(1, min(4, _cores() // 4))
-
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, usable_cores() // 4))
 
 
 class TokenizeAhead:
@@ -168,8 +166,6 @@ class TokenizeAheads:
 
 
 def _child(scratch: Path) -> None:
-    from .conversations import tokenize_into_cache
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     with open(scratch / "job.pkl", "rb") as f:
         job = pickle.load(f)
