@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import dflash_train.data.tokenize_ahead as ahead_mod
+from dflash_train.beside import NICENESS
 from dflash_train.config import DataConfig
 from dflash_train.data.conversations import load_chat_dataset, tokenize_into_cache
 from dflash_train.data.sources import DataError, growing_lines, iter_conversations
@@ -137,6 +139,9 @@ def test_a_stalled_child_is_stopped(tmp_path, tok, caplog, monkeypatch):
     path.write_text("\n".join(chat_lines(20)) + "\n")
     child = TokenizeAhead(DataConfig(source=str(path)), tok, 0, str(tmp_path / "cache"), tmp_path / "scratch",
                           threads=1)
+    if hasattr(os, "setpriority"):  # below the run's priority: the regeneration it works beside comes first
+        assert os.getpriority(os.PRIO_PROCESS, child.proc.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0)
+                                                                      + NICENESS)
     with caplog.at_level(logging.WARNING, logger="dflash_train"):
         assert not child.finish(idle_s=1.0)
     assert "no progress for 1 s" in caplog.text and child.proc.poll() is not None

@@ -4,6 +4,7 @@ the target regenerates, and the run then finds every graph it compiles in the sh
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from dflash_train.beside import NICENESS
 from dflash_train.config import load_config
 from dflash_train.devices import resolve_config
 from dflash_train.training.startup import compile_cache_dir, use_compile_cache
@@ -93,6 +95,9 @@ def test_a_child_past_its_timeout_is_stopped(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="dflash_train")
     cfg = load_config("tiny_cpu", [f"run.out_dir={tmp_path}/runs/run"])
     with _Sleeper(cfg, tmp_path / "scratch", tmp_path / "warmup.log") as warmup:
+        if hasattr(os, "setpriority"):  # below the run's priority: the regeneration it works beside comes first
+            assert os.getpriority(os.PRIO_PROCESS, warmup.proc.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0)
+                                                                          + NICENESS)
         assert not warmup.finish(timeout_s=0.1)
         assert warmup.proc.poll() is not None  # stopped, not left running
     assert any("not done 0 s after the regeneration ended; stopped" in r.getMessage() for r in caplog.records)

@@ -13,8 +13,10 @@ finished file's key (data/conversations.tokenize_into_cache); the run's own load
 
 The child is `python -m dflash_train.data.tokenize_ahead SCRATCH` (a fresh interpreter: nothing inherited from the
 run's threads or CUDA, and no re-import of the caller's main module), tokenizing in its own process with the fast
-tokenizer's threads (TOKENIZERS_PARALLELISM, RAYON_NUM_THREADS=threads). It learns that the file is complete from
-the file SCRATCH/done, and from then on shows it is alive by counting its reads of the file in SCRATCH/progress.
+tokenizer's threads (TOKENIZERS_PARALLELISM, RAYON_NUM_THREADS=threads), at a lower CPU priority than the run
+(beside.py: the regeneration is the critical path, the child has minutes of slack). It learns that the file is
+complete from the file SCRATCH/done, and from then on shows it is alive by counting its reads of the file in
+SCRATCH/progress.
 Only a cache is shared: the run's data are what load_chat_dataset gives from the finished file, with or without it.
 """
 
@@ -30,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..beside import start_beside
 from .conversations import tokenize_into_cache, usable_cores
 
 log = logging.getLogger("dflash_train")
@@ -66,8 +69,8 @@ class TokenizeAhead:
             pickle.dump({"cfg": cfg, "tokenizer": tokenizer, "seed": seed, "cache_dir": str(cache_dir)}, f)
         env = dict(os.environ, TOKENIZERS_PARALLELISM="true", RAYON_NUM_THREADS=str(threads or ahead_threads()))
         with open(self.log_path, "w", encoding="utf-8") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "dflash_train.data.tokenize_ahead", str(self.scratch)],
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+            self.proc = start_beside([sys.executable, "-m", "dflash_train.data.tokenize_ahead", str(self.scratch)],
+                                     stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         self.completed: float | None = None  # when complete() was first called
 
     def complete(self) -> None:

@@ -32,6 +32,7 @@ from typing import Callable
 
 import yaml
 
+from ..beside import start_beside
 from ..config import Config
 from .startup import compile_cache_dir
 
@@ -65,9 +66,10 @@ class CompileWarmup:
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.scratch.mkdir(parents=True)
         with open(self.log_path, "w", encoding="utf-8") as out:
-            # its own process group: finish() can stop it together with any compile workers it started
-            self.proc = subprocess.Popen(self.command(cfg), stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+            # its own process group: finish() can stop it together with any compile workers it started; at a
+            # lower CPU priority than the run, whose work is the critical path (beside.py)
+            self.proc = start_beside(self.command(cfg), stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         log.info(f"{name}: a child process (pid {self.proc.pid}) {what}; its log: {self.log_path}")
 
     def command(self, cfg: Config) -> list[str]:
