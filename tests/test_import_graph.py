@@ -1,7 +1,7 @@
 """The package's module-level import graph, read with `ast` (nothing is imported): no cycles, no upward edges.
 
 Layers, lowest first (a module imports from its own package and from lower layers only):
-  errors < config, devices < models < data < training < inference < generation < pipeline < train, demo, doctor, cli
+  errors, beside < config, devices < models < data < training < inference < generation < pipeline < train, demo, doctor, cli
 `data` reads, tokenizes and packs; `training` is the objective and the step; `inference` is speculative decoding and
 its runners (it drafts with the objective's block attention); `generation` is batched decoding for regeneration
 and self-written prompts. A function-local import is not an edge of the module graph; one that would close a cycle
@@ -18,9 +18,9 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = "dflash_train"
 
-# Lowest first. Top-level modules (cli, demo, doctor, train, config, errors, devices) are placed by name.
+# Lowest first. Top-level modules (cli, demo, doctor, train, config, errors, beside, devices) are placed by name.
 LAYERS = [
-    {"errors"},
+    {"errors", "beside"},
     {"config", "devices"},
     {"models"},
     {"data"},

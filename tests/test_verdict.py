@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash_train.config import ModelConfig
-from dflash_train.inference import benchmark, speculative
+from dflash_train.inference import batched, benchmark, speculative
 from dflash_train.inference.benchmark import evaluate
 from dflash_train.inference.report import format_summary, verdict_text
 from dflash_train.inference.verdict import TIE_ULPS, judge_tokens, tie_bound
@@ -244,17 +244,28 @@ def test_untimed_prompts_are_checked_token_by_token(setup):
     assert "plain decoding timed on 2 of them" in format_summary(rep)
 
 
-def test_planted_bug_on_an_untimed_prompt_is_no(setup, monkeypatch):
+@pytest.mark.parametrize("batch_rows", [1, 4])
+def test_planted_bug_on_an_untimed_prompt_is_no(setup, monkeypatch, batch_rows):
+    """The bug strikes on prompt 3, which plain decoding skips: decoded alone (batch_rows=1) or as row 1 of the
+    untimed prompts decoded together (prompts 1 and 3)."""
     name, t, drafter = setup
     real_spec, real_accept = speculative.speculative_generate, speculative.accept_greedy
 
-    def spec_generate(t_run, d_run, prompt, *args, **kw):   # the bug strikes on prompt 3, which plain skips
+    def spec_generate(t_run, d_run, prompt, *args, **kw):
         monkeypatch.setattr(speculative, "accept_greedy", one_too_many(real_accept) if prompt == PROMPTS[3]
                             else real_accept)
         return real_spec(t_run, d_run, prompt, *args, **kw)
 
+    real_agreed = batched.agreed_drafts
+
+    def agreed_one_too_many_on_row_1(drafts, choice):
+        agreed = real_agreed(drafts, choice)
+        agreed[1] = min(int(agreed[1]) + 1, drafts.shape[1])
+        return agreed
+
     monkeypatch.setattr(benchmark, "speculative_generate", spec_generate)
-    rep = evaluate(t, drafter, PROMPTS, NEW, warmup=False, timed=2)
+    monkeypatch.setattr(batched, "agreed_drafts", agreed_one_too_many_on_row_1)
+    rep = evaluate(t, drafter, PROMPTS, NEW, warmup=False, timed=2, batch_rows=batch_rows)
     s = rep.summary()
     assert not rep.prompts[3].timed and rep.prompts[3].verdict == "wrong"
     assert s["lossless"] is False and s["first_wrong"]["prompt"] == 3 and not s["first_wrong"]["plain"]

@@ -195,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--timed-prompts", type=int, default=None,
                    help="run plain decoding (the speedup's reference) on this many prompts, evenly spread, and check "
                         "the others' lossless verdict by one teacher-forced target pass each (default: every prompt)")
+    e.add_argument("--batch-rows", type=int, default=None,
+                   help="greedy with a DFlash v1 drafter: decode the prompts that are not timed this many at a time, "
+                        "each taking the steps it takes alone (default 32, fewer where memory is short; 1: one at a "
+                        "time)")
     e.add_argument("--device", default="auto")
     e.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
                    help="target and drafter compute dtype (auto: bf16 on CUDA, fp32 on CPU); the lossless verdict "

@@ -3,9 +3,10 @@
 Both paths run on the same static-cache target runner (CUDA-graphed on GPU), one prompt at a time, after one
 untimed warm-up generation each; times run from prefill to the last token (prefill included, identical in both).
 Plain decoding may run on a subset only (`timed`, evenly spread over the prompts; the demo times 16 of each set):
-its cost per token hardly depends on the prompt, so the speedup is plain decoding's ms per token on that subset over
-speculative decoding's on every prompt, and the lossless verdict of the other prompts is the teacher-forced check
-below with no plain output to compare.
+its cost per token hardly depends on the prompt, so the speedup is plain decoding's ms per token over speculative
+decoding's, both on that subset. The other prompts need only their tau and the lossless verdict: greedy with a
+DFlash v1 drafter they are decoded together, `batch_rows` at a time (inference/batched.py: each row takes the steps
+it would take alone), and the verdict of each is the teacher-forced check below with no plain output to compare.
 tau: mean acceptance length over a prompt's verification steps, then the mean over prompts (docs/DESIGN.md). Lossless
 (greedy only): every token speculative decoding emitted is the target's greedy choice given its prefix, up to
 ties within the dtype's rounding (inference/verdict.py); prompts whose two outputs are identical need no check.
@@ -44,6 +45,8 @@ from ..models.target import TargetInfo, TargetModel
 from ..training.objective import acceptance_metrics, draft_hidden
 from ..training.selector import teacher_forced_picks
 from .baseline import target_generate
+from .batched import decode_batched
+from .decoding import GenerationResult
 from .drafter_runner import Drafter2Runner, DrafterRunner
 from .report import verdict_text
 from .speculative import speculative_generate
@@ -53,6 +56,7 @@ from .verdict import TIE_ULPS, judge_alone, judge_prompt
 log = logging.getLogger("dflash_train")
 
 DEFAULT_NUM_PROMPTS = 16
+EVAL_BATCH_ROWS = 32  # untimed prompts decoded together (evaluate's batch_rows)
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 
@@ -205,9 +209,10 @@ class EvalReport:
         return None
 
     def summary(self) -> dict:
-        # plain decoding ran on the timed prompts only, speculative decoding on all (module docstring)
-        base_tps, base_ms = self._rate([p for p in self.prompts if p.timed], "baseline", "baseline_s")
-        spec_tps, spec_ms = self._rate(self.prompts, "speculative", "speculative_s")
+        # both timed on the timed prompts only, one prompt at a time (module docstring)
+        timed = [p for p in self.prompts if p.timed]
+        base_tps, base_ms = self._rate(timed, "baseline", "baseline_s")
+        spec_tps, spec_ms = self._rate(timed, "speculative", "speculative_s")
         s = {
             "num_prompts": len(self.prompts), "block_size": self.block_size, "temperature": self.temperature,
             "max_new_tokens": self.max_new_tokens, "device": self.device, "dtype": self.dtype,
@@ -273,14 +278,17 @@ def acc_estimate(target: TargetModel, drafter: DFlashDrafter, prompt: list[int],
 def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], max_new_tokens: int,
              temperature: float = 0.0, block_size: int | None = None, stop_ids=(), graphs: bool | None = None,
              seed: int = 0, warmup: bool = True, categories: list[str | None] | None = None,
-             ids: list[str | None] | None = None, timed: int | None = None) -> EvalReport:
+             ids: list[str | None] | None = None, timed: int | None = None,
+             batch_rows: int = EVAL_BATCH_ROWS) -> EvalReport:
     """Speculative generation for every prompt, plain generation for `timed` of them (None: every prompt), on one
     harness -> EvalReport.
 
     target: loaded with truncate=False and the drafter's layer ids. drafter: a DFlashDrafter (run on a private copy
     in the target's dtype) or a ready DraftSource (e.g. a test double). stop_ids: eos ids (see stop_token_ids).
     graphs: CUDA graphs, None = on for CUDA targets. categories, ids: one per prompt (or None), for per-category
-    tau and the verdict's words. timed: plain decoding on this many prompts, evenly spread (timed_indices)."""
+    tau and the verdict's words. timed: plain decoding on this many prompts, evenly spread (timed_indices).
+    batch_rows: greedy with a DFlash v1 drafter, the prompts not timed are decoded this many at a time
+    (inference/batched.py); 1: one at a time, as the timed ones always are."""
     if not prompts_token_ids:
         raise ValueError("no prompts to evaluate")
     plain_on = timed_indices(len(prompts_token_ids), timed)
@@ -304,6 +312,8 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
     dtype = target.embed_tokens.weight.dtype
     report = EvalReport(B, temperature, max_new_tokens, str(target.device), t_run.graphs,
                         DTYPE_NAMES.get(dtype, str(dtype)))
+    together = _decode_untimed_together(target, drafter, prompts_token_ids, plain_on, max_new_tokens, temperature,
+                                        B, stop_ids, graphs, batch_rows)
     if warmup:  # first calls pay for allocator growth and kernel selection: keep them out of the timings
         target_generate(t_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature, stop_ids, gen)
         speculative_generate(t_run, d_run, prompts_token_ids[0], min(max_new_tokens, 2 * B), temperature,
@@ -312,7 +322,8 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
     for i, prompt in enumerate(bar):
         base = (target_generate(t_run, prompt, max_new_tokens, temperature, stop_ids, gen) if i in plain_on
                 else None)
-        spec = speculative_generate(t_run, d_run, prompt, max_new_tokens, temperature, stop_ids, gen)
+        spec = (GenerationResult(together[i][0], 0.0, together[i][1]) if i in together  # decoded with others
+                else speculative_generate(t_run, d_run, prompt, max_new_tokens, temperature, stop_ids, gen))
         rep = PromptReport(len(prompt), base.tokens if base else [], spec.tokens, spec.accept_lengths,
                            base.seconds if base else 0.0, spec.seconds,
                            category=categories[i] if categories is not None else None,
@@ -334,6 +345,21 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
         log.debug("prompt %d: %d tokens, tau %s, %s plain / %.3fs speculative", i, len(spec.tokens), rep.tau,
                   f"{base.seconds:.3f}s" if base else "no", spec.seconds)
     return report
+
+
+def _decode_untimed_together(target: TargetModel, drafter, prompts: list[list[int]], timed: set[int],
+                             max_new_tokens: int, temperature: float, block_size: int, stop_ids, graphs,
+                             rows: int) -> dict[int, tuple[list[int], list[int]]]:
+    """{prompt index: (tokens, acceptance lengths)} of the untimed prompts, decoded `rows` at a time
+    (inference/batched.py), where that applies: greedy, a DFlash v1 drafter, rows > 1; else {}."""
+    rest = [i for i in range(len(prompts)) if i not in timed]
+    if (temperature > 0 or rows <= 1 or not rest or not isinstance(drafter, DFlashDrafter)
+            or isinstance(drafter, DFlash2Drafter)):
+        return {}
+    log.info(f"decoding the {len(rest)} untimed prompts speculatively, up to {rows} at a time")
+    out = decode_batched(target, drafter, [prompts[i] for i in rest], max_new_tokens, block_size, stop_ids, graphs,
+                         rows)
+    return dict(zip(rest, out))
 
 
 def timed_indices(n: int, timed: int | None) -> set[int]:
@@ -361,6 +387,9 @@ def run_eval_cli(args) -> int:
         raise UserError("--temperature must be 0 (greedy) or positive.")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise UserError("--num-prompts must be at least 1 (leave it out for every prompt).")
+    batch_rows = EVAL_BATCH_ROWS if args.batch_rows is None else args.batch_rows
+    if batch_rows < 1:
+        raise UserError("--batch-rows must be at least 1 (1 decodes one prompt at a time).")
     if args.timed_prompts is not None and args.timed_prompts < 1:
         raise UserError("--timed-prompts must be at least 1 (the speedup needs plain decoding on some prompts; leave "
                         "it out to time every prompt).")
@@ -390,7 +419,7 @@ def run_eval_cli(args) -> int:
     drafter = load_drafter(args.drafter, device)
     report = evaluate(target, drafter, prompt_ids, args.max_new_tokens, args.temperature, args.block_size,
                       stop_ids=stop_token_ids(target.hf, tokenizer), categories=[p.category for p in prompts],
-                      ids=[p.id for p in prompts], timed=args.timed_prompts)
+                      ids=[p.id for p in prompts], timed=args.timed_prompts, batch_rows=batch_rows)
     write_report(report, out_dir)
     print(format_summary(report))
     print(f"wrote {out_dir / 'eval.json'} and {out_dir / 'eval.png'}")

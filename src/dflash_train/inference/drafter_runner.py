@@ -27,6 +27,15 @@ from ..training.objective import sdpa_attend
 from ..models.cuda_graph import GraphedStep, resolve_graphs
 
 
+def serving_copy(drafter: DFlashDrafter, device: torch.device, dtype: torch.dtype) -> DFlashDrafter:
+    """A private copy in the target's dtype (as serving engines run it), for inference; the caller's drafter stays
+    untouched. RoPE frequencies stay fp32: .to(bf16) would round them and shift every rotary angle."""
+    cfg = drafter.config
+    copied = copy.deepcopy(drafter).to(device, dtype).eval().requires_grad_(False)
+    copied.rotary.inv_freq = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).inv_freq.to(device)
+    return copied
+
+
 class DrafterRunner:
     def __init__(self, drafter: DFlashDrafter, target: TargetModel, max_len: int, block_size: int | None = None,
                  graphs: bool | None = None):
@@ -36,10 +45,7 @@ class DrafterRunner:
             raise ValueError("block_size must be at least 2")
         self.device, self.dtype = target.device, target.embed_tokens.weight.dtype
         self.max_len = max_len
-        # A private copy in the target's dtype (as serving engines run it); the caller's drafter stays untouched.
-        # RoPE frequencies stay fp32: .to(bf16) would round them and shift every rotary angle.
-        self.drafter = copy.deepcopy(drafter).to(self.device, self.dtype).eval().requires_grad_(False)
-        self.drafter.rotary.inv_freq = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).inv_freq.to(self.device)
+        self.drafter = serving_copy(drafter, self.device, self.dtype)
         self.embed_w = target.embed_tokens.weight
         self.lm_head = target.lm_head
         self.mask_token_id = cfg.mask_token_id

@@ -112,9 +112,11 @@ class TargetRunner:
                 self._graphed_step(q, max_len)
 
     @classmethod
-    def for_target(cls, target: TargetModel, max_len: int, step_lens=(1,), graphs: bool | None = None):
-        """Single-sequence runner that also returns the tapped features (target loaded with truncate=False)."""
-        return cls(_target_fn(target), target.hf, max_len, 1, tuple(step_lens), graphs)
+    def for_target(cls, target: TargetModel, max_len: int, step_lens=(1,), graphs: bool | None = None,
+                   batch_size: int = 1):
+        """A runner that also returns the tapped features (target loaded with truncate=False): one sequence, or
+        batch_size rows (batched speculative decoding, inference/batched.py)."""
+        return cls(_target_fn(target), target.hf, max_len, batch_size, tuple(step_lens), graphs)
 
     @classmethod
     def for_hf(cls, hf, max_len: int, batch_size: int = 1, step_lens=(1,), graphs: bool | None = None,
@@ -163,6 +165,16 @@ class TargetRunner:
         slots = torch.arange(P, device=self.device)
         pos = (slots[None, :] - pad[:, None]).clamp_(min=0)
         return self._forward(ids.to(self.device), pos, slots, 1, P if self.kv_window else self.max_len)
+
+    @torch.no_grad()
+    def hide(self, start: int, q: int, keep: torch.Tensor) -> None:
+        """After a step of q tokens at slots start..start+q-1: row r keeps its first keep[r] of them ([b] long, on the
+        device) and the rest become holes, never visible again; its later tokens take the positions right after the
+        kept ones (the holes count into the row's offset, as left padding does). Rows that accept different numbers
+        of drafted tokens thus share one slot counter (inference/batched.py). No host sync."""
+        hidden = self.kv_idx[None, start:start + q] >= keep[:, None] + start             # [b, q]
+        self.valid[:, start:start + q] &= ~hidden
+        self.pad_len += q - keep
 
     @torch.no_grad()
     def step(self, ids: torch.Tensor, start: int):

@@ -1,0 +1,227 @@
+"""Batched speculative decoding (inference/batched.py): every row takes the steps it takes alone.
+
+The references are one-prompt decoding (speculative.py, itself pinned to naive greedy in test_inference.py) and the
+one-sequence drafter runner. Drafts that the target accepts in part come from a scripted drafter (the target's own
+greedy continuation, each token corrupted by a rule keyed on prompt, position and block index), so that rows keep
+different numbers of tokens at every step and the target's holes and offsets are exercised.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash_train.inference.baseline import target_generate
+from dflash_train.inference.batched import BatchedDrafterRunner, decode_batched, speculative_generate_batch
+from dflash_train.inference.benchmark import evaluate
+from dflash_train.inference.drafter_runner import DrafterRunner
+from dflash_train.inference.speculative import speculative_generate
+from dflash_train.inference.target_runner import TargetRunner
+from dflash_train.models.target import load_target
+from test_inference import LAYERS, V, eval_setup, make_drafter  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny models run fastest on one thread
+
+B, NEW = 4, 21
+LENGTHS = [1, 3, 9, 17, 30, 5, 2]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request, tiny_llama, tiny_qwen3):
+    path = {"llama": tiny_llama, "qwen3": tiny_qwen3}[request.param]
+    return path, load_target(path, LAYERS, truncate=False)
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, V - 1, (n,), generator=g).tolist() for n in lengths]
+
+
+def proposal(sequence: list[int], key: int, start: int, k: int, p_correct: float) -> int:
+    """The scripted draft at position start + k: the known token, or another where the rule says so."""
+    pos = start + k
+    tok = sequence[pos] if pos < len(sequence) else 0
+    return tok if random.Random(hash((key, start, k))).random() < p_correct else (tok + 1) % V
+
+
+class Scripted:
+    """One-prompt DraftSource double (speculative.py's interface)."""
+
+    def __init__(self, sequence, key, p_correct):
+        self.sequence, self.key, self.p, self.block_size = sequence, key, p_correct, B
+
+    def begin(self, prompt_feats):
+        pass
+
+    def extend(self, block_feats, block_start):
+        pass
+
+    def draft(self, last_token, start):
+        logits = torch.zeros(B - 1, V)
+        for k in range(1, B):
+            logits[k - 1, proposal(self.sequence, self.key, start, k, self.p)] = 1.0
+        return logits
+
+
+class ScriptedRows:
+    """The same drafts for rows of prompts (BatchedDrafterRunner's interface)."""
+
+    def __init__(self, sequences, keys, p_correct, rows):
+        self.sequences, self.keys, self.rows, self.block_size = sequences, keys, rows, B
+        self.p = p_correct if isinstance(p_correct, list) else [p_correct] * len(sequences)
+        self.starts: list[list[int]] = []  # each step's row positions
+
+    def begin(self, prompt_feats, lengths):
+        assert prompt_feats.shape[0] == self.rows == len(lengths)
+
+    def extend(self, block_feats, starts):
+        assert block_feats.shape[:2] == (self.rows, B)
+
+    def draft(self, last, starts):
+        logits = torch.zeros(self.rows, B - 1, V)
+        self.starts.append(starts.tolist())
+        for r, start in enumerate(starts.tolist()[: len(self.sequences)]):
+            for k in range(1, B):
+                logits[r, k - 1, proposal(self.sequences[r], self.keys[r], start, k, self.p[r])] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize("p_correct", [0.0, 0.7, 1.0])
+def test_rows_keeping_different_lengths_decode_as_each_alone(target, p_correct):
+    """Lossless and step for step: every row's tokens and acceptance lengths are those of its prompt decoded alone,
+    with rows that keep 1..B tokens a step side by side, finish at different steps (a stop token mid-block, the
+    length limit), and a spare row when the batch is not full."""
+    _, t = target
+    prompts = prompts_of(LENGTHS)
+    max_len = max(LENGTHS) + B * (NEW + 1)
+    t_one = TargetRunner.for_target(t, max_len, step_lens=(1, B))
+    greedy = [target_generate(t_one, p, NEW + B).tokens for p in prompts]
+    stop = (greedy[2][5],)  # one prompt stops early, at a token it emits mid-block
+    sequences = [p + g for p, g in zip(prompts, greedy)]
+    alone = [speculative_generate(t_one, Scripted(s, i, p_correct), p, NEW, stop_ids=stop)
+             for i, (s, p) in enumerate(zip(sequences, prompts))]
+    rows = len(prompts) + 1
+    t_rows = TargetRunner.for_target(t, max_len, step_lens=(B,), batch_size=rows)
+    together = speculative_generate_batch(t_rows, ScriptedRows(sequences, range(len(prompts)), p_correct, rows),
+                                          prompts, NEW, stop_ids=stop)
+    assert [tokens for tokens, _ in together] == [a.tokens for a in alone]
+    assert [steps for _, steps in together] == [a.accept_lengths for a in alone]
+    assert len(together[2][0]) < NEW and together[2][0][-1] == stop[0]
+    kept = {a for _, steps in together for a in steps}
+    if p_correct == 0.7:
+        assert len(kept) > 2  # rows kept different numbers of tokens in the same steps
+    assert kept == ({1} if p_correct == 0 else {B} if p_correct == 1 else kept)
+
+
+def test_a_finished_row_stops_moving(tiny_llama):
+    """A row done at its first token keeps no later block, even one its drafts would fill: its position stays where
+    it ended (the caches were sized for the tokens rows keep) while the other row decodes on."""
+    t = load_target(tiny_llama, LAYERS, truncate=False)
+    prompts = prompts_of([4, 6])
+    t_one = TargetRunner.for_target(t, 200, step_lens=(1, B))
+    greedy = [target_generate(t_one, p, NEW + B).tokens for p in prompts]
+    stop = (greedy[0][0],)
+    assert stop[0] not in greedy[1][:NEW]  # the other row runs to the length limit
+    drafts = ScriptedRows([p + g for p, g in zip(prompts, greedy)], [0, 1], [1.0, 0.0], 2)
+    t_rows = TargetRunner.for_target(t, 6 + B * (NEW + 1), step_lens=(B,), batch_size=2)
+    together = speculative_generate_batch(t_rows, drafts, prompts, NEW, stop_ids=stop)
+    assert together[0] == ([stop[0]], []) and len(together[1][0]) == NEW
+    assert {starts[0] for starts in drafts.starts} == {len(prompts[0])}
+
+
+def test_the_batched_drafter_drafts_what_the_single_one_drafts(target):
+    """Same context, same block: the batched runner's logits per row equal the one-sequence runner's, after the
+    prompt and after an extension of which each row keeps a different number of rows."""
+    path, t = target
+    drafter = make_drafter(path, B, seed=3)
+    prompts = prompts_of([2, 7, 11])
+    max_len = 40
+    feats = [t.features(torch.tensor(p), torch.arange(len(p)), torch.zeros(len(p), dtype=torch.long))
+             for p in prompts]
+    P = max(len(p) for p in prompts)
+    padded = torch.zeros(len(prompts), P, feats[0].shape[-1])
+    for r, f in enumerate(feats):
+        padded[r, P - f.shape[0]:] = f
+    rows = BatchedDrafterRunner(drafter, t, len(prompts), max_len, B)
+    rows.begin(padded, [len(p) for p in prompts])
+    last = torch.tensor([5, 6, 7])
+    starts = torch.tensor([len(p) for p in prompts])
+    block = torch.randn(len(prompts), B, feats[0].shape[-1], generator=torch.Generator().manual_seed(1))
+    keep = torch.tensor([1, 3, 4])
+    first = rows.draft(last, starts).clone()
+    rows.extend(block, starts)
+    second = rows.draft(last + 1, starts + keep).clone()
+    for r, p in enumerate(prompts):
+        one = DrafterRunner(drafter, t, max_len, B)
+        one.begin(feats[r])
+        torch.testing.assert_close(one.draft(last[r:r + 1], len(p)), first[r], rtol=1e-5, atol=1e-5)
+        one.extend(block[r], len(p))
+        torch.testing.assert_close(one.draft(last[r:r + 1] + 1, len(p) + int(keep[r])), second[r], rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_decode_batched_with_the_real_drafter_equals_one_prompt_decoding(target):
+    """decode_batched (the runners built for it, prompts in chunks of `rows`) gives each prompt's own decoding."""
+    path, t = target
+    drafter = make_drafter(path, B, seed=1)
+    prompts = prompts_of(LENGTHS, seed=2)
+    max_len = max(LENGTHS) + NEW + B
+    t_one = TargetRunner.for_target(t, max_len, step_lens=(1, B))
+    d_one = DrafterRunner(drafter, t, max_len, B)
+    alone = [speculative_generate(t_one, d_one, p, NEW) for p in prompts]
+    for rows in (3, 16):
+        together = decode_batched(t, drafter, prompts, NEW, B, rows=rows)
+        assert [tok for tok, _ in together] == [a.tokens for a in alone]
+        assert [steps for _, steps in together] == [a.accept_lengths for a in alone]
+
+
+def test_evaluate_decodes_untimed_prompts_together_with_the_same_report(tiny_llama):
+    """evaluate with batch_rows: the untimed prompts' tau, tokens and verdicts are those of one-at-a-time decoding;
+    the speedup comes from the timed prompts alone (speculative_s 0 on the others)."""
+    t = load_target(tiny_llama, LAYERS, truncate=False)
+    drafter = make_drafter(tiny_llama, B, seed=1)
+    prompts = prompts_of(LENGTHS, seed=4)
+    one = evaluate(t, drafter, prompts, NEW, timed=2, batch_rows=1)
+    rows = evaluate(t, drafter, prompts, NEW, timed=2, batch_rows=4)
+    for a, b in zip(one.prompts, rows.prompts):
+        assert (a.speculative, a.accept_lengths, a.verdict, a.timed) == (b.speculative, b.accept_lengths, b.verdict,
+                                                                       b.timed)
+        assert b.timed or b.speculative_s == 0.0
+    assert sum(p.timed for p in rows.prompts) == 2 and rows.summary()["speedup"] is not None
+    assert rows.summary()["mean_tau"] == one.summary()["mean_tau"] and rows.summary()["lossless"]
+
+
+def test_a_batch_needs_room_for_every_row(tiny_llama):
+    t = load_target(tiny_llama, LAYERS, truncate=False)
+    t_rows = TargetRunner.for_target(t, 30, step_lens=(B,), batch_size=2)
+    drafts = ScriptedRows([[1] * 60] * 2, [0, 1], 1.0, 2)
+    with pytest.raises(ValueError, match="3 prompts for 2 rows"):
+        speculative_generate_batch(t_rows, drafts, [[1], [2], [3]], 4)
+    with pytest.raises(ValueError, match="need 45 target slots; the runner has 30"):
+        speculative_generate_batch(t_rows, drafts, [[1], [2]], 10)
+
+
+def test_eval_cli_batch_rows(eval_setup, capsys):
+    """`dflash-train eval --timed-prompts 1 --batch-rows 2`: the untimed prompts decoded together, lossless, the same
+    tau as one at a time; --batch-rows 0 is one clear error."""
+    import json
+
+    from dflash_train.cli import main
+
+    root, target, drafter, prompts = eval_setup
+    args = ["eval", "--drafter", drafter, "--target", target, "--prompts", prompts, "--max-new-tokens", "20",
+            "--device", "cpu", "--timed-prompts", "1"]
+    reports = {}
+    for rows in ("1", "2"):
+        assert main(args + ["--batch-rows", rows, "--out", str(root / f"rows{rows}")]) == 0
+        reports[rows] = json.loads((root / f"rows{rows}" / "eval.json").read_text())
+    one, two = reports["1"], reports["2"]
+    assert two["summary"]["lossless"] is True and two["summary"]["timed_prompts"] == 1
+    assert [p["speculative"] for p in two["prompts"]] == [p["speculative"] for p in one["prompts"]]
+    assert two["summary"]["mean_tau"] == one["summary"]["mean_tau"] and two["summary"]["speedup"] > 0
+    capsys.readouterr()
+    assert main(args + ["--batch-rows", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--batch-rows must be at least 1" in err[0]
