@@ -225,3 +225,25 @@ def test_eval_cli_batch_rows(eval_setup, capsys):
     assert main(args + ["--batch-rows", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--batch-rows must be at least 1" in err[0]
+
+
+def test_a_failed_batch_is_a_warning_and_one_at_a_time(tiny_llama, monkeypatch, caplog):
+    """If decoding together fails, evaluate says so and decodes those prompts one at a time: the same report."""
+    import logging
+
+    from dflash_train.inference import benchmark
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (planted)")
+
+    t = load_target(tiny_llama, LAYERS, truncate=False)
+    drafter = make_drafter(tiny_llama, B, seed=1)
+    prompts = prompts_of(LENGTHS[:4], seed=5)
+    one = evaluate(t, drafter, prompts, NEW, timed=1, batch_rows=1)
+    monkeypatch.setattr(benchmark, "decode_batched", broken)
+    with caplog.at_level(logging.WARNING, logger="dflash_train"):
+        rows = evaluate(t, drafter, prompts, NEW, timed=1, batch_rows=4)
+    assert "decoding the untimed prompts together failed (RuntimeError: CUDA out of memory (planted))" in caplog.text
+    assert [(p.speculative, p.accept_lengths) for p in rows.prompts] == \
+        [(p.speculative, p.accept_lengths) for p in one.prompts]
+    assert all(p.speculative_s > 0 for p in rows.prompts)  # decoded alone, as before
