@@ -247,3 +247,14 @@ def test_a_failed_batch_is_a_warning_and_one_at_a_time(tiny_llama, monkeypatch, 
     assert [(p.speculative, p.accept_lengths) for p in rows.prompts] == \
         [(p.speculative, p.accept_lengths) for p in one.prompts]
     assert all(p.speculative_s > 0 for p in rows.prompts)  # decoded alone, as before
+
+
+def test_rows_that_fit_half_the_memory(tiny_llama):
+    from dflash_train.inference.batched import rows_that_fit
+
+    t = load_target(tiny_llama, LAYERS, truncate=False)
+    info = t.info
+    per_slot = info.num_layers * 2 * info.num_key_value_heads * info.head_dim * 4  # fp32 K and V, every layer
+    assert rows_that_fit(t, 100, 8) == 8
+    assert rows_that_fit(t, (4 << 30) // (3 * per_slot), 8) == 3  # a CPU's budget is 4 GiB
+    assert rows_that_fit(t, 10 ** 12, 8) == 1  # always at least one row

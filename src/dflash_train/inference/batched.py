@@ -21,6 +21,8 @@ evaluator times speculative decoding one prompt at a time, on the prompts it als
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,8 @@ from .decoding import TokenSink
 from .drafter_runner import serving_copy
 from .target_runner import TargetRunner
 from ..models.cuda_graph import GraphedStep, resolve_graphs
+
+log = logging.getLogger("dflash_train")
 
 
 class BatchedDrafterRunner:
@@ -208,6 +212,9 @@ def decode_batched(target: TargetModel, drafter: DFlashDrafter, prompts: list[li
     B, P = block_size, max(len(p) for p in prompts)
     slots = P + B * (max_new_tokens + 1)
     R = rows_that_fit(target, slots, min(rows, len(prompts)))
+    if R < min(rows, len(prompts)):
+        log.info(f"speculative decoding {R} prompts at a time, not {rows}: the caches of more would take over half "
+                 "the free memory")
     t_run = TargetRunner.for_target(target, slots, step_lens=(B,), graphs=graphs, batch_size=R)
     d_run = BatchedDrafterRunner(drafter, target, R, P + max_new_tokens + B + 1, B, graphs)
     out: list[tuple[list[int], list[int]]] = []

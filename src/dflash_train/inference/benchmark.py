@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -357,10 +358,12 @@ def _decode_untimed_together(target: TargetModel, drafter, prompts: list[list[in
     if (temperature > 0 or rows <= 1 or not rest or not isinstance(drafter, DFlashDrafter)
             or isinstance(drafter, DFlash2Drafter)):
         return {}
-    log.info(f"decoding the {len(rest)} untimed prompts speculatively, up to {rows} at a time")
+    t0 = time.perf_counter()
     try:
         out = decode_batched(target, drafter, [prompts[i] for i in rest], max_new_tokens, block_size, stop_ids,
                              graphs, rows)
+        log.info(f"decoded the {len(rest)} untimed prompts speculatively, up to {rows} at a time, in "
+                 f"{time.perf_counter() - t0:.1f} s")
     except Exception as e:  # noqa: BLE001 - one prompt at a time measures the same, only slower
         log.warning(f"decoding the untimed prompts together failed ({type(e).__name__}: {e}); decoding them one at "
                     "a time (--batch-rows 1 does that from the start)")
