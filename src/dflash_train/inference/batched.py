@@ -26,12 +26,12 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..models.cuda_graph import GraphedStep, resolve_graphs
 from ..models.drafter import DFlashDrafter
 from ..models.target import TargetModel
 from .decoding import TokenSink
 from .drafter_runner import serving_copy
 from .target_runner import TargetRunner
-from ..models.cuda_graph import GraphedStep, resolve_graphs
 
 log = logging.getLogger("dflash_train")
 
