@@ -23,12 +23,13 @@ def sleeper(**kwargs) -> subprocess.Popen:
 def test_a_child_started_beside_runs_at_a_lower_priority_and_its_children_too():
     if os.getpriority(os.PRIO_PROCESS, 0) >= 19:
         pytest.skip("this process already runs at the lowest priority")
-    child = start_beside([sys.executable, "-c", "import os, subprocess, sys, time; time.sleep(0.5); "
+    # the child looks only once told to (a line on stdin): start_beside has returned by then
+    child = start_beside([sys.executable, "-c", "import os, subprocess, sys; sys.stdin.readline(); "
                           "print(os.getpriority(os.PRIO_PROCESS, 0), subprocess.run([sys.executable, '-c', "
                           "'import os; print(os.getpriority(os.PRIO_PROCESS, 0))'], capture_output=True, "
-                          "text=True).stdout.strip())"], stdout=subprocess.PIPE, text=True)
+                          "text=True).stdout.strip())"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert os.getpriority(os.PRIO_PROCESS, child.pid) == lowered()
-    out, _ = child.communicate(timeout=60)
+    out, _ = child.communicate("go\n", timeout=60)
     assert out.split() == [str(lowered())] * 2  # as the child sees itself, and a process it starts
 
 
