@@ -303,15 +303,17 @@ finish() {
   if (( left > 120 )); then BENCH_S=$left bench; else echo "no time left for a bench ($left s)"; fi
 }
 
-# A call brings back 8 files at most (gpu_demo.log, written by this script, is one): the seven that matter as they
-# are, the rest (demo.json, training.png, the warm-up child's log) in extras.tgz.
+# A call brings back 8 files at most (gpu_demo.log, written by this script, is one): demo.log, demo.txt and the two
+# evaluations as they are, the rest (demo.json, training.png, metrics.jsonl, validation_replies.json, the warm-up
+# child's log) in extras.tgz, so that finish's bench JSON and log fit beside them.
 collect() {
   mkdir -p "$OUT"
   local r=$S/runs/demo
   cp $S/demo.log "$OUT/" 2>/dev/null
-  cp $r/demo.txt $r/metrics.jsonl $r/validation_replies.json "$OUT/" 2>/dev/null
-  tar -czf "$OUT/extras.tgz" -C / $(ls $r/demo.json $r/training.png $S/runs/demo-data/compile_warmup.log 2>/dev/null \
-      | sed 's|^/||') 2>/dev/null
+  cp $r/demo.txt "$OUT/" 2>/dev/null
+  # demo-p's metrics.jsonl and validation_replies.json, then files of their own, did not come back from finish
+  tar -czf "$OUT/extras.tgz" -C / $(ls $r/demo.json $r/training.png $r/metrics.jsonl $r/validation_replies.json \
+      $S/runs/demo-data/compile_warmup.log 2>/dev/null | sed 's|^/||') 2>/dev/null
   for e in yardstick heldout; do cp $r/eval_$e/eval.json "$OUT/eval_$e.json" 2>/dev/null; done
   cat $r/demo.txt 2>/dev/null
 }
