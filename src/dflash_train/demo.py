@@ -103,9 +103,10 @@ EVAL_PLAN = {"cpu": [("yardstick", 3, 32, None), ("heldout", 3, 32, None)],
 USER_PROMPTS_NEW_TOKENS = {"cpu": 32, "cuda": 256}
 SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "held out from the training data"}
 # Printed by the CPU demo: what the same command reaches on a GPU (docs/BENCHMARKS.md, "The GPU demo").
-GPU_REFERENCE = ("On one H100 (2026-12-07), `dflash-train demo --device cuda` measured tau 3.97 (2.14x) on the "
-                 "yardstick and 3.85 (2.14x) on held-out ShareGPT, lossless, in 19:35 with its data regenerated "
-                 "(on an H200, 2026-12-04, an earlier recipe: 3.79; docs/BENCHMARKS.md, \"The GPU demo\").")
+GPU_REFERENCE = ("On one H100 (2026-12-07), `dflash-train demo --device cuda` measured tau 3.95 (2.11x) on the "
+                 "yardstick and 4.09 (2.38x) on held-out ShareGPT, lossless, in 19:37 with its data regenerated "
+                 "(3.97 the run before; on an H200, 2026-12-04, an earlier recipe: 3.79; docs/BENCHMARKS.md, \"The "
+                 "GPU demo\").")
 # "-hf2": converted since the tokenizer keeps the GGUF's own pre-tokenizer (models/gguf_header.GGUF_PRE_TOKENIZERS); a
 # directory converted before would tokenize digits after whitespace differently, so it is not reused.
 HF_CACHE_NAME = "SmolLM2-135M-Instruct-hf2"
