@@ -98,10 +98,8 @@ def training_end_by(cfg: Config, kind: str, minutes: float | None, started: floa
 # What each device evaluates: (prompt set, prompts, new tokens per prompt, prompts plain decoding runs on for the
 # speedup). None = every prompt of the set. On a GPU plain decoding was ~70% of the evaluation (demo-m: 2:13 for 112
 # prompts); timing it on 16 prompts a set (the others checked lossless token by token) leaves the rest to training.
-# The untimed prompts are decoded together (inference/batched.py), a few seconds for dozens, so the held-out set has
-# 64 prompts (32 until session 37, the same first 32): its standard error ~0.23 instead of ~0.32.
 EVAL_PLAN = {"cpu": [("yardstick", 3, 32, None), ("heldout", 3, 32, None)],
-             "cuda": [("yardstick", None, 256, 16), ("heldout", 64, 256, 16)]}
+             "cuda": [("yardstick", None, 256, 16), ("heldout", 32, 256, 16)]}
 USER_PROMPTS_NEW_TOKENS = {"cpu": 32, "cuda": 256}
 SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "held out from the training data"}
 # Printed by the CPU demo: what the same command reaches on a GPU (docs/BENCHMARKS.md, "The GPU demo").
