@@ -87,6 +87,9 @@ class ScriptedRows:
                 logits[r, k - 1, proposal(self.sequences[r], self.keys[r], start, k, self.p[r])] = 1.0
         return logits
 
+    def propose_rows(self, last, starts):
+        return self.draft(last, starts).argmax(-1)
+
 
 @pytest.mark.parametrize("p_correct", [0.0, 0.7, 1.0])
 def test_rows_keeping_different_lengths_decode_as_each_alone(target, p_correct):
@@ -261,3 +264,50 @@ def test_rows_that_fit_half_the_memory(tiny_llama):
     assert rows_that_fit(t, 100, 8) == 8
     assert rows_that_fit(t, (4 << 30) // (3 * per_slot), 8) == 3  # a CPU's budget is 4 GiB
     assert rows_that_fit(t, 10 ** 12, 8) == 1  # always at least one row
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_real_drafters_that_are_accepted_in_part_decode_as_each_prompt_alone(biased_llama, architecture):
+    """The real runners, with drafts the target accepts in runs of every length: on the biased target (its greedy
+    choice is token 0 or 1) a drafter whose final norm keeps one unit proposes 0s and 1s. DFlash 2's selector walks
+    every row at once (select_greedy_rows) and must pick what it picks for each block alone."""
+    from test_dflash2 import coin_drafter, make_drafter2
+
+    from dflash_train.inference.drafter_runner import Drafter2Runner
+
+    t = load_target(biased_llama, LAYERS, truncate=False)
+    if architecture == "dflash":
+        drafter = make_drafter(biased_llama, B, seed=2)
+        with torch.no_grad():
+            drafter.norm.weight.zero_()
+            drafter.norm.weight[0] = 1.0
+        one_runner = DrafterRunner
+    else:
+        drafter, one_runner = coin_drafter(make_drafter2(biased_llama)), Drafter2Runner
+    prompts = prompts_of(LENGTHS, seed=6)
+    max_len = max(LENGTHS) + NEW + B
+    t_one = TargetRunner.for_target(t, max_len, step_lens=(1, B))
+    d_one = one_runner(drafter, t, max_len, B)
+    alone = [speculative_generate(t_one, d_one, p, NEW) for p in prompts]
+    together = decode_batched(t, drafter, prompts, NEW, B, rows=4)
+    assert [tok for tok, _ in together] == [a.tokens for a in alone]
+    assert [steps for _, steps in together] == [a.accept_lengths for a in alone]
+    assert len({a for a_ in alone for a in a_.accept_lengths}) > 2  # runs of several lengths were accepted
+
+
+def test_the_selector_walks_rows_as_it_walks_one_block(tiny_llama):
+    """select_greedy_rows on R blocks = select on each block alone, with a pairwise term as large as the logits (so
+    the predecessor decides picks)."""
+    from test_dflash2 import make_drafter2
+
+    sel = make_drafter2(tiny_llama).candidate_selector
+    g = torch.Generator().manual_seed(7)
+    R, n = 5, B - 1
+    hidden = torch.randn(R, n, sel.hidden_projection.in_features, generator=g)
+    logits = torch.randn(R, n, V, generator=g)
+    anchors = torch.randint(0, V, (R,), generator=g)
+    rows = sel.select_greedy_rows(hidden, logits, anchors)
+    alone = torch.stack([sel.select(hidden[r], logits[r], anchors[r:r + 1])[0] for r in range(R)])
+    assert torch.equal(rows, alone)
+    unary_only = logits.topk(sel.top_k, dim=-1)[1][..., 0]  # what ignoring the predecessor would pick
+    assert not torch.equal(rows, unary_only)

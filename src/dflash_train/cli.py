@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run plain decoding (the speedup's reference) on this many prompts, evenly spread, and check "
                         "the others' lossless verdict by one teacher-forced target pass each (default: every prompt)")
     e.add_argument("--batch-rows", type=int, default=None,
-                   help="greedy with a DFlash v1 drafter: decode the prompts that are not timed this many at a time, "
+                   help="greedy: decode the prompts that are not timed this many at a time, "
                         "each taking the steps it takes alone (default 32, fewer where memory is short; 1: one at a "
                         "time)")
     e.add_argument("--device", default="auto")

@@ -14,8 +14,9 @@ the target's own next token. Only the caches' bookkeeping differs, because rows 
   row's block sees its own context below its own length, and its own block.
 
 A row that is done (max_new_tokens, or a stop token) keeps none of its later blocks: its positions stop moving and
-its outputs are dropped until every row is done. Greedy only, DFlash v1 drafters (DFlash 2's selector picks drafts
-one by one per row): evaluate runs everything else one prompt at a time. There are no per-prompt timings here; the
+its outputs are dropped until every row is done. Greedy only (sampling would need each row's own random draws):
+evaluate decodes sampled prompts one at a time. DFlash 2 drafters too: the selector walks every row's block left
+to right at once (CandidateSelector.select_greedy_rows). There are no per-prompt timings here; the
 evaluator times speculative decoding one prompt at a time, on the prompts it also times plain decoding on.
 """
 
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 
 from ..models.cuda_graph import GraphedStep, resolve_graphs
 from ..models.drafter import DFlashDrafter
+from ..models.drafter2 import DFlash2Drafter
 from ..models.target import TargetModel
 from .decoding import TokenSink
 from .drafter_runner import serving_copy
@@ -92,8 +94,8 @@ class BatchedDrafterRunner:
             return out.transpose(0, 1).reshape(q.shape)
         return attend
 
-    def _append_and_draft(self) -> torch.Tensor:
-        """The captured step -> draft logits [rows, B-1, V]."""
+    def _block_hidden(self) -> torch.Tensor:
+        """Append every row's pending context, run every row's block -> hidden [rows * B, H]."""
         R, B = self.rows, self.block_size
         self._write_context(self.pend_feats.view(R * B, -1), self.pend_pos.view(-1),
                             (self.pend_pos + self.row_base).view(-1))
@@ -101,9 +103,12 @@ class BatchedDrafterRunner:
         own = torch.ones(R, 1, B, B, dtype=torch.bool, device=self.device)
         mask = torch.cat([ctx, own], dim=-1)                                              # [R, 1, B, L + B]
         x = F.embedding(self.block_ids.view(-1), self.embed_w)                            # [R*B, H]
-        h = self.drafter.forward_blocks(x, self.block_pos.view(-1), list(zip(self.ctx_k, self.ctx_v)),
-                                        self._attend(mask), B)
-        return self.lm_head(h.view(R, B, -1)[:, 1:])
+        return self.drafter.forward_blocks(x, self.block_pos.view(-1), list(zip(self.ctx_k, self.ctx_v)),
+                                           self._attend(mask), B)
+
+    def _append_and_draft(self) -> torch.Tensor:
+        """The captured step -> draft logits [rows, B-1, V]."""
+        return self.lm_head(self._block_hidden().view(self.rows, self.block_size, -1)[:, 1:])
 
     @torch.no_grad()
     def begin(self, prompt_feats: torch.Tensor, lengths: list[int]) -> None:
@@ -133,6 +138,27 @@ class BatchedDrafterRunner:
         self.ctx_len.copy_(starts)
         return self._step()
 
+    @torch.no_grad()
+    def propose_rows(self, last: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts [rows, B-1]: each row's argmax."""
+        return self.draft(last, starts).argmax(-1)
+
+
+class BatchedDrafter2Runner(BatchedDrafterRunner):
+    """A DFlash 2 drafter (models/drafter2.py), as Drafter2Runner for one sequence: the captured step also returns
+    the hidden states, and the candidate selector picks every row's drafts left to right after it (greedy)."""
+
+    def _append_and_draft(self):
+        """The captured step -> (hidden [rows, B-1, H], logits [rows, B-1, V]) of block positions 1..B-1."""
+        R, B = self.rows, self.block_size
+        h = self._block_hidden().view(R, B, -1)[:, 1:]
+        return h, self.lm_head(h)
+
+    @torch.no_grad()
+    def propose_rows(self, last: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        h, logits = self.draft(last, starts)
+        return self.drafter.candidate_selector.select_greedy_rows(h, logits, last)
+
 
 @torch.no_grad()
 def speculative_generate_batch(target: TargetRunner, drafter, prompts: list[list[int]], max_new_tokens: int,
@@ -141,7 +167,7 @@ def speculative_generate_batch(target: TargetRunner, drafter, prompts: list[list
     acceptance length of each verification step), each what speculative_generate gives for that prompt alone (up
     to the rounding of batched kernels). target: TargetRunner.for_target with batch_size rows and a step of B
     tokens, at least max(len(prompt)) + B * (max_new_tokens + 1) slots; drafter: a BatchedDrafterRunner of the same
-    rows (or a test double with its begin / extend / draft), at least max(len(prompt)) + max_new_tokens + B."""
+    rows (or a test double with its begin / extend / propose_rows), at least max(len(prompt)) + max_new_tokens + B."""
     R, B = target.batch_size, drafter.block_size
     n = len(prompts)
     if not 0 < n <= R:
@@ -164,7 +190,7 @@ def speculative_generate_batch(target: TargetRunner, drafter, prompts: list[list
     starts = torch.tensor(lengths, device=target.device)                             # position of each row's `last`
     slot = P                                                                          # the slot of every row's `last`
     while not all(s.done for s in sinks):
-        drafts = drafter.draft(last, starts).argmax(-1)                              # [R, B-1]
+        drafts = drafter.propose_rows(last, starts)                                   # [R, B-1]
         t_logits, t_feats = target.step(torch.cat([last[:, None], drafts], dim=1), slot)   # [R, B, V], [R, B, k*H]
         choice = t_logits.argmax(-1)                                                  # [R, B]
         agreed = agreed_drafts(drafts, choice)                                        # [R] drafts kept
@@ -216,7 +242,8 @@ def decode_batched(target: TargetModel, drafter: DFlashDrafter, prompts: list[li
         log.info(f"speculative decoding {R} prompts at a time, not {rows}: the caches of more would take over half "
                  "the free memory")
     t_run = TargetRunner.for_target(target, slots, step_lens=(B,), graphs=graphs, batch_size=R)
-    d_run = BatchedDrafterRunner(drafter, target, R, P + max_new_tokens + B + 1, B, graphs)
+    runner = BatchedDrafter2Runner if isinstance(drafter, DFlash2Drafter) else BatchedDrafterRunner
+    d_run = runner(drafter, target, R, P + max_new_tokens + B + 1, B, graphs)
     out: list[tuple[list[int], list[int]]] = []
     for i in range(0, len(prompts), R):
         out += speculative_generate_batch(t_run, d_run, prompts[i:i + R], max_new_tokens, stop_ids)

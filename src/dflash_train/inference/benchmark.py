@@ -5,7 +5,7 @@ untimed warm-up generation each; times run from prefill to the last token (prefi
 Plain decoding may run on a subset only (`timed`, evenly spread over the prompts; the demo times 16 of each set):
 its cost per token hardly depends on the prompt, so the speedup is plain decoding's ms per token over speculative
 decoding's, both on that subset. The other prompts need only their tau and the lossless verdict: greedy with a
-DFlash v1 drafter they are decoded together, `batch_rows` at a time (inference/batched.py: each row takes the steps
+DFlash drafter they are decoded together, `batch_rows` at a time (inference/batched.py: each row takes the steps
 it would take alone), and the verdict of each is the teacher-forced check below with no plain output to compare.
 tau: mean acceptance length over a prompt's verification steps, then the mean over prompts (docs/DESIGN.md). Lossless
 (greedy only): every token speculative decoding emitted is the target's greedy choice given its prefix, up to
@@ -288,7 +288,7 @@ def evaluate(target: TargetModel, drafter, prompts_token_ids: list[list[int]], m
     in the target's dtype) or a ready DraftSource (e.g. a test double). stop_ids: eos ids (see stop_token_ids).
     graphs: CUDA graphs, None = on for CUDA targets. categories, ids: one per prompt (or None), for per-category
     tau and the verdict's words. timed: plain decoding on this many prompts, evenly spread (timed_indices).
-    batch_rows: greedy with a DFlash v1 drafter, the prompts not timed are decoded this many at a time
+    batch_rows: greedy with a DFlash drafter, the prompts not timed are decoded this many at a time
     (inference/batched.py); 1: one at a time, as the timed ones always are."""
     if not prompts_token_ids:
         raise ValueError("no prompts to evaluate")
@@ -352,11 +352,10 @@ def _decode_untimed_together(target: TargetModel, drafter, prompts: list[list[in
                              max_new_tokens: int, temperature: float, block_size: int, stop_ids, graphs,
                              rows: int) -> dict[int, tuple[list[int], list[int]]]:
     """{prompt index: (tokens, acceptance lengths)} of the untimed prompts, decoded `rows` at a time
-    (inference/batched.py), where that applies: greedy, a DFlash v1 drafter, rows > 1; else {}. A failure there is a
+    (inference/batched.py), where that applies: greedy, a DFlash (1 or 2) drafter, rows > 1; else {}. A failure there is a
     warning, and the prompts are decoded one at a time: it costs time, never the measurement."""
     rest = [i for i in range(len(prompts)) if i not in timed]
-    if (temperature > 0 or rows <= 1 or not rest or not isinstance(drafter, DFlashDrafter)
-            or isinstance(drafter, DFlash2Drafter)):
+    if temperature > 0 or rows <= 1 or not rest or not isinstance(drafter, DFlashDrafter):
         return {}
     t0 = time.perf_counter()
     try:

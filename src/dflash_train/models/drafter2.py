@@ -143,6 +143,23 @@ class CandidateSelector(nn.Module):
         return drafts, candidates, torch.stack(qs) if qs else None
 
 
+    def select_greedy_rows(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """select at temperature 0 for R blocks at once (batched decoding, inference/batched.py): hidden [R, n, H],
+        logits [R, n, V], anchors [R] -> drafts [R, n], each row what select gives for its block alone."""
+        R, n = logits.shape[:2]
+        unary, candidates = logits.topk(self.top_k, dim=-1)                                   # [R, n, K]
+        predecessors = torch.cat([anchors[:, None, None].expand(R, 1, self.top_k), candidates[:, :-1]], dim=1)
+        table = self.scores(hidden[:, :, None, :], unary[:, :, None, :], candidates[:, :, None, :],
+                            predecessors)                                                     # [R, n, K, K]
+        rows = torch.arange(R, device=logits.device)
+        prev = torch.zeros(R, dtype=torch.long, device=logits.device)  # row 0 of table[:, 0]: each block's anchor
+        picks = []
+        for k in range(n):
+            prev = table[rows, k, prev].argmax(-1)                                           # [R]
+            picks.append(prev)
+        return candidates.gather(2, torch.stack(picks, dim=1)[..., None])[..., 0]
+
+
 class DFlash2Drafter(DFlashDrafter):
     layer_class = DFlash2DecoderLayer
 
