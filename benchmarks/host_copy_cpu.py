@@ -2,7 +2,8 @@
 """What a host-tier row costs to land in host memory (models/feature_cache._host_copy), on the CPU alone: a 45 MiB bf16
 row (the GPU demo's: 8,192 tokens x 5 taps x 576) copied into a buffer already faulted in, into a fresh buffer as
 `tensor.to("cpu")` does, into a fresh buffer faulted in by zero_() first, per intra-op thread count, and into one
-faulted in by numpy's fill on one thread (what the host tier's copier does since 2026-12-07).
+faulted in by numpy's fill on one thread (a way tried for the host tier's copier and dropped: too slow on the H100
+host, docs/BENCHMARKS.md "Feature cache").
 
   PYTHONPATH=src python3 benchmarks/host_copy_cpu.py [ROWS]     # ROWS copies each (default 40)
 

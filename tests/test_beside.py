@@ -35,9 +35,10 @@ def test_a_child_started_beside_runs_at_a_lower_priority_and_its_children_too():
 
 def test_a_gone_process_is_no_error():
     child = sleeper()
+    assert lower_priority(child.pid) is True  # a live child of ours: lowered (again)
     child.kill()
     child.wait()
-    lower_priority(child.pid)  # nothing to lower: no exception
+    assert lower_priority(child.pid) is False  # nothing to lower: no exception, and it says so
 
 
 def test_the_run_keeps_its_own_priority():

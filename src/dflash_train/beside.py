@@ -31,13 +31,15 @@ def start_beside(args: list[str], **popen_kwargs) -> subprocess.Popen:
     return proc
 
 
-def lower_priority(pid: int, by: int = NICENESS) -> None:
-    """Raise process pid's niceness to this process's plus `by` (at most 19). The niceness is the thread's on Linux:
-    call it before pid starts threads (Popen returns while the child's interpreter is still starting)."""
+def lower_priority(pid: int, by: int = NICENESS) -> bool:
+    """Raise process pid's niceness to this process's plus `by` (at most 19); False where that could not be done.
+    The niceness is the thread's on Linux: call it before pid starts threads (Popen returns while the child's
+    interpreter is still starting)."""
     if not hasattr(os, "setpriority"):
-        return
+        return False
     try:
         own = os.getpriority(os.PRIO_PROCESS, 0)
         os.setpriority(os.PRIO_PROCESS, pid, min(19, own + by))
     except OSError:  # gone already, or not ours to change: it only runs at the same priority as the run
-        pass
+        return False
+    return True

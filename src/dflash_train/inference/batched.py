@@ -68,6 +68,7 @@ class BatchedDrafterRunner:
         self.pend_pos = self.arange_b.repeat(rows, 1)                                    # [rows, B] positions
         self.ctx_len = torch.zeros(rows, dtype=torch.long, **dev)      # row r's context positions < ctx_len[r] are real
         self.block_ids = torch.full((rows, B), cfg.mask_token_id, dtype=torch.long, **dev)
+        self.own_block = torch.ones(rows, 1, B, B, dtype=torch.bool, **dev)  # a block sees all of itself
         self.block_pos = self.arange_b.repeat(rows, 1)
         self._step = GraphedStep(self._append_and_draft, resolve_graphs(graphs, self.device))
 
@@ -100,8 +101,7 @@ class BatchedDrafterRunner:
         self._write_context(self.pend_feats.view(R * B, -1), self.pend_pos.view(-1),
                             (self.pend_pos + self.row_base).view(-1))
         ctx = (self.kv_idx[None, :] < self.ctx_len[:, None])[:, None, None, :].expand(R, 1, B, self.max_len)
-        own = torch.ones(R, 1, B, B, dtype=torch.bool, device=self.device)
-        mask = torch.cat([ctx, own], dim=-1)                                              # [R, 1, B, L + B]
+        mask = torch.cat([ctx, self.own_block], dim=-1)                                   # [R, 1, B, L + B]
         x = F.embedding(self.block_ids.view(-1), self.embed_w)                            # [R*B, H]
         return self.drafter.forward_blocks(x, self.block_pos.view(-1), list(zip(self.ctx_k, self.ctx_v)),
                                            self._attend(mask), B)

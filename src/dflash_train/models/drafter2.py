@@ -116,18 +116,26 @@ class CandidateSelector(nn.Module):
         pair = (self.successor_codebook[candidates] * ctx[..., None, :].to(self.successor_codebook.dtype)).sum(-1)
         return unary + pair.to(unary.dtype)
 
+    def candidate_table(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor):
+        """R blocks at inference: hidden [R, n, H], logits [R, n, V] of block positions 1..n, anchors [R] (each
+        block's first token) -> (candidates [R, n, K], table [R, n, K, K]): table[r, k, i, j] scores position k's
+        candidate j after predecessor i, position 0's predecessor being the anchor (every i), position k's one of
+        position k-1's candidates. Scored in one batched call, so that a walk costs two small ops a position
+        (launch-bound at decoding's batch of one block, where scoring position by position was ~10 a position)."""
+        R = logits.shape[0]
+        unary, candidates = logits.topk(self.top_k, dim=-1)                                   # [R, n, K]
+        predecessors = torch.cat([anchors[:, None, None].expand(R, 1, self.top_k), candidates[:, :-1]], dim=1)
+        return candidates, self.scores(hidden[:, :, None, :], unary[:, :, None, :], candidates[:, :, None, :],
+                                       predecessors)
+
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: torch.Tensor, temperature: float = 0.0,
                generator: torch.Generator | None = None):
         """One block at inference: hidden [n, H] and logits [n, V] of block positions 1..n, anchor [1] (the block's
         first token) -> (drafts [n], candidates [n, K], q [n, K] fp32 or None at temperature 0: the distribution
         each draft was sampled from, given the drafts before it). Left to right: each choice is the next
         position's predecessor."""
-        unary, candidates = logits.topk(self.top_k, dim=-1)                                   # [n, K]
-        # Every position scored against each predecessor it can have, in one batched call: position 0's is the
-        # anchor, position k's one of position k-1's candidates. The walk then costs two small ops a position
-        # (launch-bound at decoding's batch of one block, where scoring position by position was ~10 a position).
-        predecessors = torch.cat([anchor.expand(1, self.top_k), candidates[:-1]])            # [n, K]
-        table = self.scores(hidden[:, None, :], unary[:, None, :], candidates[:, None, :], predecessors)  # [n, K, K]
+        candidates, table = self.candidate_table(hidden[None], logits[None], anchor.reshape(1))
+        candidates, table = candidates[0], table[0]                                           # [n, K], [n, K, K]
         prev = torch.zeros((), dtype=torch.long, device=logits.device)  # row 0 of table[0]: the anchor
         picks, qs = [], []
         for k in range(hidden.shape[0]):
@@ -142,19 +150,14 @@ class CandidateSelector(nn.Module):
         drafts = candidates.gather(1, torch.stack(picks)[:, None])[:, 0]
         return drafts, candidates, torch.stack(qs) if qs else None
 
-
     def select_greedy_rows(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """select at temperature 0 for R blocks at once (batched decoding, inference/batched.py): hidden [R, n, H],
         logits [R, n, V], anchors [R] -> drafts [R, n], each row what select gives for its block alone."""
-        R, n = logits.shape[:2]
-        unary, candidates = logits.topk(self.top_k, dim=-1)                                   # [R, n, K]
-        predecessors = torch.cat([anchors[:, None, None].expand(R, 1, self.top_k), candidates[:, :-1]], dim=1)
-        table = self.scores(hidden[:, :, None, :], unary[:, :, None, :], candidates[:, :, None, :],
-                            predecessors)                                                     # [R, n, K, K]
-        rows = torch.arange(R, device=logits.device)
-        prev = torch.zeros(R, dtype=torch.long, device=logits.device)  # row 0 of table[:, 0]: each block's anchor
+        candidates, table = self.candidate_table(hidden, logits, anchors)
+        rows = torch.arange(logits.shape[0], device=logits.device)
+        prev = torch.zeros_like(rows)  # row 0 of table[:, 0]: each block's anchor
         picks = []
-        for k in range(n):
+        for k in range(logits.shape[1]):
             prev = table[rows, k, prev].argmax(-1)                                           # [R]
             picks.append(prev)
         return candidates.gather(2, torch.stack(picks, dim=1)[..., None])[..., 0]
