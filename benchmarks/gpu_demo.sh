@@ -44,6 +44,8 @@
 #            BENCH picks the benchmark: BENCH=generate for the regeneration row of record, ~120 s on an H100)
 #   vpoll / vcollect   the same for the variants (variants.txt, the regenerated data gzipped, and variants_files.tgz:
 #            logs, metrics_<variant>.jsonl, bench JSON)
+#   eval_batched  no staging (carry .gpu/tok): the evaluator's untimed prompts one at a time and together on a
+#            random SmolLM2-shaped target, fp32 then bf16, timed (benchmarks/eval_batched.py)
 #   eval_rows  after the demo: `dflash-train eval` of its drafter with the untimed prompts decoded together and one
 #            at a time (EVAL_ROWS), timed, the reports compared prompt by prompt
 #   collect  the demo's table, logs, metrics and eval reports into $OUT
@@ -303,6 +305,19 @@ finish() {
   collect
   local left=$(( ${FINISH_S:-560} - (SECONDS - t0) - 90 ))  # 90 s: the bench's own start and timeout margin
   if (( left > 120 )); then BENCH_S=$left bench; else echo "no time left for a bench ($left s)"; fi
+}
+
+# No staging needed (carry .gpu/tok: SmolLM2's config and tokenizer): `evaluate` on a random model of SmolLM2's shape
+# with a random drafter (tau 1: every prompt takes all its steps), the untimed prompts decoded one at a time and
+# EVAL_ROWS (default 32) at a time, in fp32 (the same tokens?) then bf16 (the evaluator's dtype on a GPU: the times);
+# EVAL_PROMPTS prompts (default 32) x 256 new tokens (benchmarks/eval_batched.py).
+eval_batched() {
+  local dtype
+  for dtype in fp32 bf16; do
+    banner "evaluate on a random SmolLM2-shaped target ($dtype): untimed prompts one at a time and together"
+    timeout 280 python3 benchmarks/eval_batched.py "${EVAL_PROMPTS:-32}" 256 "${EVAL_ROWS:-32}" --device cuda \
+        --target random:.gpu/tok --dtype $dtype --repeats 1 2>&1 | grep -v -E "it/s\]|s/it\]|Warning|warn"
+  done
 }
 
 # After a demo on the same machine: its drafter measured by `dflash-train eval` on the yardstick as the demo measures
