@@ -310,12 +310,12 @@ finish() {
 # No staging needed (carry .gpu/tok: SmolLM2's config and tokenizer): `evaluate` on a random model of SmolLM2's shape
 # with a random drafter (tau 1: every prompt takes all its steps), the untimed prompts decoded one at a time and
 # EVAL_ROWS (default 32) at a time, in fp32 (the same tokens?) then bf16 (the evaluator's dtype on a GPU: the times);
-# EVAL_PROMPTS prompts (default 32) x 256 new tokens (benchmarks/eval_batched.py).
+# EVAL_PROMPTS prompts (default 33: one timed, the rest one batch) x 256 new tokens (benchmarks/eval_batched.py).
 eval_batched() {
   local dtype
   for dtype in fp32 bf16; do
     banner "evaluate on a random SmolLM2-shaped target ($dtype): untimed prompts one at a time and together"
-    timeout 280 python3 benchmarks/eval_batched.py "${EVAL_PROMPTS:-32}" 256 "${EVAL_ROWS:-32}" --device cuda \
+    timeout 220 python3 benchmarks/eval_batched.py "${EVAL_PROMPTS:-33}" 256 "${EVAL_ROWS:-32}" --device cuda \
         --target random:.gpu/tok --dtype $dtype --repeats 1 2>&1 | grep -v -E "it/s\]|s/it\]|Warning|warn"
   done
 }
