@@ -60,9 +60,11 @@ GPU_OVERRIDES = ["data.regenerate=true", "data.max_samples=null", "data.regenera
 # The GPU demo's promise is the whole command in 20 minutes on one H200. Its training ends at a deadline: DEMO_MINUTES
 # after the command started, less what the evaluation is allowed (EVALUATION_S: 143 s in demo-j with plain decoding
 # on every prompt; 84 s in demo-p with plain decoding timed on 16 prompts a set, EVAL_PLAN, every prompt decoded
-# alone; predicted ~55 s with the untimed ones decoded together, inference/batched.py, not yet measured on a GPU:
-# ~30 s of demo-p's yardstick went to its 64 untimed prompts one at a time; 80 s so that a fallback to one at a
-# time, 84 s, still ends within 20 minutes). The budget is set when
+# alone, 27 s of it the 80 untimed ones; predicted ~68 s with the untimed ones decoded together, inference/batched.py,
+# and 64 held-out prompts instead of 32: on an H100 with a random drafter (every prompt 255 steps), evaluate on 33
+# prompts (one timed) took 8.0 s in bf16 with the 32 others together against 51.3 s one at a time,
+# docs/gpu-runs/2026-12-08-h100-eval-batched/; 80 s so that a fallback to one at a
+# time, ~96 s, still ends within 20 minutes). The budget is set when
 # the first step runs (TimeBudget.start), so the minutes between the data step and the first step (61 s in demo-m,
 # 2026-12-04: tokenizing, loading the compiled step) are never guessed: whatever they take, training ends on time,
 # and what they do not take goes to training. On an H200 that leaves ~12 minutes; train.max_minutes (13) is only a
@@ -98,8 +100,10 @@ def training_end_by(cfg: Config, kind: str, minutes: float | None, started: floa
 # What each device evaluates: (prompt set, prompts, new tokens per prompt, prompts plain decoding runs on for the
 # speedup). None = every prompt of the set. On a GPU plain decoding was ~70% of the evaluation (demo-m: 2:13 for 112
 # prompts); timing it on 16 prompts a set (the others checked lossless token by token) leaves the rest to training.
+# The untimed prompts decode together (evaluate's batch_rows), so 64 held-out prompts cost seconds more than 32 and
+# halve the held-out figure's variance (its standard error ~0.23 instead of ~0.32).
 EVAL_PLAN = {"cpu": [("yardstick", 3, 32, None), ("heldout", 3, 32, None)],
-             "cuda": [("yardstick", None, 256, 16), ("heldout", 32, 256, 16)]}
+             "cuda": [("yardstick", None, 256, 16), ("heldout", 64, 256, 16)]}
 USER_PROMPTS_NEW_TOKENS = {"cpu": 32, "cuda": 256}
 SET_NAMES = {"yardstick": "yardstick (another source)", "heldout": "held out from the training data"}
 # Printed by the CPU demo: what the same command reaches on a GPU (docs/BENCHMARKS.md, "The GPU demo").
