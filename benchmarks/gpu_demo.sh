@@ -326,7 +326,8 @@ eval_batched() {
 # prompts' tau and speedup side by side. eval_rows<N>.json to $OUT.
 eval_rows() {
   local d rows t0
-  d=$(grep -o "servable drafter in [^ ]*" $S/demo.log | tail -1 | cut -d' ' -f4)
+  d=$(grep -o "servable drafter in [^ ]*" $S/demo.log 2>/dev/null | tail -1 | cut -d' ' -f4)
+  if [[ -z $d ]]; then echo "no servable drafter named in $S/demo.log: the demo has not finished its training"; return; fi
   for rows in ${EVAL_ROWS:-32 1}; do
     banner "dflash-train eval of the demo's drafter ($d) on the yardstick, --batch-rows $rows"
     t0=$SECONDS
@@ -334,7 +335,7 @@ eval_rows() {
         --max-new-tokens 256 --timed-prompts 16 --batch-rows "$rows" --device cuda --out /tmp/eval_rows$rows 2>&1 \
         | grep -v -E "it/s\]|s/it\]" | grep -E "decoded|tau|speedup|lossless|Error|error" | tail -8
     echo "eval --batch-rows $rows: $(( SECONDS - t0 )) s in all (the process, loading included)"
-    mkdir -p "$OUT" && cp /tmp/eval_rows$rows/eval.json "$OUT/eval_rows$rows.json"
+    mkdir -p "$OUT" && cp /tmp/eval_rows$rows/eval.json "$OUT/eval_rows$rows.json" || return
   done
   python3 - ${EVAL_ROWS:-32 1} <<'PY'
 import json, sys
