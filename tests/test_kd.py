@@ -1,6 +1,7 @@
 """Distillation on the target's next-token distribution (train.kd_weight): the fused chunked loss against a dense
 computation, KD = CE for a one-hot target, the (1 - w) * CE + w * KD mix, kd_weight = 0 untouched, the target's
-final hidden state in its features, and tiny end-to-end runs (single loop and pipeline) that learn."""
+final hidden state in its features, and tiny end-to-end runs (single loop and pipeline, the feature cache) that
+learn."""
 
 from __future__ import annotations
 
@@ -253,3 +254,19 @@ def test_kd_run_learns_and_the_pipeline_equals_the_single_loop(tiny_llama, tmp_p
     for p, r in zip(pipe.history, ref.history):
         assert {k: p[k] for k in ("loss", "acc", "tau_est")} == {k: r[k] for k in ("loss", "acc", "tau_est")}
     assert_same_weights(pipe.drafter_dir, ref.drafter_dir)
+
+
+def test_kd_with_the_feature_cache_trains_as_with_nothing_kept(tiny_llama, tmp_path):
+    """Distillation over several epochs with the rows' features kept (train.feature_cache_gb, as the GPU demo keeps
+    them): the kept rows carry the target's final hidden state too, so the later epochs, which run no target
+    forward, train step for step as the same fixed rows with nothing kept."""
+    small = {"data.synthetic_samples": 12, "train.max_steps": 24}
+    kept = train_pipeline(_kd_cfg(tiny_llama, tmp_path / "kept", **small, **{"train.feature_cache_gb": 1}))
+    rows = kept.data["rows_per_epoch"]
+    assert kept.steps >= 2 * rows, "the test needs two epochs or more"
+    assert kept.target_forwards == [rows]
+    none = train_pipeline(_kd_cfg(tiny_llama, tmp_path / "none", **small, **{"train.feature_cache_gb": 1e-12}))
+    assert none.target_forwards == [kept.steps]
+    for k, n in zip(kept.history, none.history):
+        assert {m: k[m] for m in ("loss", "acc", "tau_est")} == {m: n[m] for m in ("loss", "acc", "tau_est")}
+    assert_same_weights(kept.drafter_dir, none.drafter_dir)
