@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
 """Benchmark: `evaluate` with its untimed prompts decoded one at a time (batch_rows=1) and together
-(inference/batched.py), a random 2-layer drafter, the bundled yardstick prompts.
+(inference/batched.py), a random 2-layer drafter or a trained one, the bundled yardstick prompts.
 
   PYTHONPATH=src .venv/bin/python benchmarks/eval_batched.py [PROMPTS] [NEW_TOKENS] [ROWS] [--device D]
-      [--target embedded | DIR | random:DIR] [--dtype bf16|fp32] [--repeats N]
+      [--target embedded | DIR | GGUF | random:DIR] [--drafter DIR] [--dtype bf16|fp32] [--repeats N] [--timed N]
 
 PROMPTS yardstick prompts (default 8), NEW_TOKENS each (default 48), one of them timed (plain decoding and one-prompt
-speculative decoding, as the demo times 16 a set); the rest decoded ROWS at a time (default 8) against one at a time,
-alternating --repeats times (default 2). Prints seconds per evaluation and whether both gave the same tokens and
-acceptance lengths. A random drafter accepts almost nothing (tau ~1): every prompt takes ~NEW_TOKENS steps, the most
-steps a prompt can, and the batched target cache runs through all its slots.
+speculative decoding; --timed sets how many, the demo times 16 a set); the rest decoded ROWS at a time (default 8)
+against one at a time, alternating --repeats times (default 2). Prints seconds per evaluation and whether both gave
+the same tokens and acceptance lengths. A random drafter accepts almost nothing (tau ~1): every prompt takes
+~NEW_TOKENS steps, the most steps a prompt can, and the batched target cache runs through all its slots; --drafter
+(a trained drafter's directory, e.g. the GPU demo's: benchmarks/gpu_demo.sh eval_rows) accepts in part, rows then
+keeping different numbers of tokens a step.
 
 --target: the embedded SmolLM2 (default, CPU: its GGUF converted), a model directory, or random:DIR, a model of DIR's
 config.json with random weights and DIR's tokenizer (benchmarks/gpu_demo.sh eval_batched: SmolLM2's shape on a GPU
@@ -31,7 +33,8 @@ from dflash_train.demo import local_embedded_target
 from dflash_train.inference.benchmark import evaluate, stop_token_ids
 from dflash_train.inference.prompts import read_prompt_file, tokenize_prompts
 from dflash_train.models.build import build_drafter
-from dflash_train.models.target import default_layer_ids, load_target, load_tokenizer
+from dflash_train.models.checkpoint import load_drafter
+from dflash_train.models.target import load_target, load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
@@ -63,33 +66,39 @@ def main() -> None:
     p.add_argument("rows", nargs="?", type=int, default=8)
     p.add_argument("--device", default="cpu")
     p.add_argument("--target", default="embedded")
+    p.add_argument("--drafter", default=None, help="a drafter directory (default: a random 2-layer drafter)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="fp32")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--timed", type=int, default=1)
     args = p.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = model_dir(args.target, Path(tmp))
-        target = load_target(hf_dir, default_layer_ids(30, 5), device=args.device, dtype=dtype, truncate=False)
+        drafter = load_drafter(args.drafter) if args.drafter else None
+        target = load_target(hf_dir, drafter.config.target_layer_ids if drafter else None, device=args.device,
+                             dtype=dtype, truncate=False)
         tok = load_tokenizer(hf_dir)
-        torch.manual_seed(0)
-        drafter = build_drafter(ModelConfig(target_layer_ids=target.layer_ids, num_draft_layers=2,
-                                            mask_token_id=target.info.vocab_size - 1), target.info)
+        if drafter is None:
+            torch.manual_seed(0)
+            drafter = build_drafter(ModelConfig(target_layer_ids=target.layer_ids, num_draft_layers=2,
+                                                mask_token_id=target.info.vocab_size - 1), target.info)
         prompts = tokenize_prompts(read_prompt_file("yardstick")[:args.prompts], tok)
         stops = stop_token_ids(target.hf, tok)
         reports, seconds = {}, {1: [], args.rows: []}
         for _ in range(args.repeats):
             for r in (1, args.rows):
                 t0 = time.perf_counter()
-                reports[r] = evaluate(target, drafter, prompts, args.new_tokens, stop_ids=stops, timed=1,
+                reports[r] = evaluate(target, drafter, prompts, args.new_tokens, stop_ids=stops, timed=args.timed,
                                       batch_rows=r)
                 seconds[r].append(time.perf_counter() - t0)
     pairs = list(zip(reports[1].prompts, reports[args.rows].prompts))
     same = sum((a.speculative, a.accept_lengths) == (b.speculative, b.accept_lengths) for a, b in pairs)
     steps = sum(len(a.accept_lengths) for a, _ in pairs)
-    print(f"{args.prompts} yardstick prompts x {args.new_tokens} new tokens, 1 timed, target {args.target} "
-          f"({args.dtype}) on {args.device}, torch {torch.__version__}; tau {reports[args.rows].summary()['mean_tau']:.2f}, "
-          f"{steps} verification steps one at a time")
+    print(f"{args.prompts} yardstick prompts x {args.new_tokens} new tokens, {args.timed} timed, target "
+          f"{args.target} ({args.dtype}), drafter {args.drafter or 'random'}, on {args.device}, torch "
+          f"{torch.__version__}; tau {reports[args.rows].summary()['mean_tau']:.2f}, {steps} verification steps "
+          "one at a time")
     for r, s in seconds.items():
         print(f"  untimed prompts {'one at a time' if r == 1 else f'{r} at a time'}: "
               f"{', '.join(f'{x:.1f}' for x in s)} s")

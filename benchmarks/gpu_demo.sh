@@ -46,8 +46,8 @@
 #            logs, metrics_<variant>.jsonl, bench JSON)
 #   eval_batched  no staging (carry .gpu/tok): the evaluator's untimed prompts one at a time and together on a
 #            random SmolLM2-shaped target, fp32 then bf16, timed (benchmarks/eval_batched.py)
-#   eval_rows  after the demo: `dflash-train eval` of its drafter with the untimed prompts decoded together and one
-#            at a time (EVAL_ROWS), timed, the reports compared prompt by prompt
+#   eval_rows  after the demo: its drafter on the yardstick with the untimed prompts decoded together (EVAL_ROWS) and
+#            one at a time, timed, the same tokens? (benchmarks/eval_batched.py --drafter)
 #   collect  the demo's table, logs, metrics and eval reports into $OUT
 #   bench    after the demo, on the same machine: issue #16's Qwen3-8B benchmarks named in BENCH (default startup:
 #            command -> first step, cold then warm; or pipeline), within BENCH_S seconds (default 500), JSON to $OUT.
@@ -320,37 +320,16 @@ eval_batched() {
   done
 }
 
-# After a demo on the same machine: its drafter measured by `dflash-train eval` on the yardstick as the demo measures
-# it (80 x 256, 16 timed), the untimed prompts decoded EVAL_ROWS at a time (default "32 1": together, then one at a
-# time), each eval timed in all; then the reports compared prompt by prompt (accepted runs, texts) and the timed
-# prompts' tau and speedup side by side. eval_rows<N>.json to $OUT.
+# After a demo on the same machine: its drafter measured on the yardstick as the demo measures it (80 x 256, 16
+# timed, bf16), the untimed prompts decoded one at a time and EVAL_ROWS (default 32) at a time, each evaluation
+# timed, and whether both gave the same tokens and acceptance lengths (benchmarks/eval_batched.py --drafter).
 eval_rows() {
-  local d rows t0
+  local d
   d=$(grep -o "servable drafter in [^ ]*" $S/demo.log 2>/dev/null | tail -1 | cut -d' ' -f4)
   if [[ -z $d ]]; then echo "no servable drafter named in $S/demo.log: the demo has not finished its training"; return; fi
-  for rows in ${EVAL_ROWS:-32 1}; do
-    banner "dflash-train eval of the demo's drafter ($d) on the yardstick, --batch-rows $rows"
-    t0=$SECONDS
-    timeout 240 python3 -m dflash_train.cli eval --drafter "$d" --target $GGUF --prompts yardstick \
-        --max-new-tokens 256 --timed-prompts 16 --batch-rows "$rows" --device cuda --out /tmp/eval_rows$rows 2>&1 \
-        | grep -v -E "it/s\]|s/it\]" | grep -E "decoded|tau|speedup|lossless|Error|error" | tail -8
-    echo "eval --batch-rows $rows: $(( SECONDS - t0 )) s in all (the process, loading included)"
-    mkdir -p "$OUT" && cp /tmp/eval_rows$rows/eval.json "$OUT/eval_rows$rows.json" || return
-  done
-  python3 - ${EVAL_ROWS:-32 1} <<'PY'
-import json, sys
-a, b = (json.load(open(f"/tmp/eval_rows{r}/eval.json")) for r in sys.argv[1:3])
-pa, pb = a["prompts"], b["prompts"]
-same_runs = sum(x["accept_lengths"] == y["accept_lengths"] for x, y in zip(pa, pb))
-same_text = sum(x["speculative"] == y["speculative"] for x, y in zip(pa, pb))
-untimed = [(x, y) for x, y in zip(pa, pb) if not x["timed"]]
-print(f"rows {sys.argv[1]} vs {sys.argv[2]}: {len(pa)} prompts, the same accepted runs in {same_runs}, the same "
-      f"text in {same_text}; untimed: the same runs in {sum(x['accept_lengths'] == y['accept_lengths'] for x, y in untimed)}"
-      f" of {len(untimed)}")
-for r, d in zip(sys.argv[1:3], (a, b)):
-    s = d["summary"]
-    print(f"  --batch-rows {r}: tau {s['mean_tau']:.3f}, speedup {s.get('speedup') or 0:.2f}x, verdict {s.get('verdict')}")
-PY
+  banner "the demo's drafter ($d) on the yardstick: untimed prompts one at a time and together"
+  timeout 400 python3 benchmarks/eval_batched.py 80 256 "${EVAL_ROWS:-32}" --device cuda --target $GGUF \
+      --drafter "$d" --dtype bf16 --timed 16 --repeats 1 2>&1 | grep -v -E "it/s\]|s/it\]|Warning|warn"
 }
 
 # A call brings back 8 files at most (gpu_demo.log, written by this script, is one): demo.log, demo.txt and the two

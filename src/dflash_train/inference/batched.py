@@ -189,12 +189,13 @@ def speculative_generate_batch(target: TargetRunner, drafter, prompts: list[list
     accept: list[list[int]] = [[] for _ in range(n)]
     starts = torch.tensor(lengths, device=target.device)                             # position of each row's `last`
     slot = P                                                                          # the slot of every row's `last`
-    while not all(s.done for s in sinks):
+    done = [s.done for s in sinks]
+    active = torch.tensor([not d for d in done], device=target.device)              # rebuilt only when a row ends
+    while not all(done):
         drafts = drafter.propose_rows(last, starts)                                   # [R, B-1]
         t_logits, t_feats = target.step(torch.cat([last[:, None], drafts], dim=1), slot)   # [R, B, V], [R, B, k*H]
         choice = t_logits.argmax(-1)                                                  # [R, B]
         agreed = agreed_drafts(drafts, choice)                                        # [R] drafts kept
-        active = torch.tensor([not s.done for s in sinks], device=target.device)
         keep = torch.where(active, agreed + 1, 0)                                     # a done row keeps nothing
         drafter.extend(t_feats, starts)
         target.hide(slot, B, keep)
@@ -208,6 +209,9 @@ def speculative_generate_batch(target: TargetRunner, drafter, prompts: list[list
         starts += keep
         slot += B
         last = bonus
+        if any(s.done != d for s, d in zip(sinks, done)):
+            done = [s.done for s in sinks]
+            active = torch.tensor([not d for d in done], device=target.device)
     return [(sinks[r].tokens, accept[r]) for r in range(n)]
 
 
