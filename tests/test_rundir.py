@@ -176,6 +176,7 @@ def test_a_key_that_changes_training_is_refused_naming_its_old_and_new_value(tmp
     run = tmp_path / "run"
     prepare_out_dir(load_config("tiny_cpu", [f"run.out_dir={run}"]))
     release_run_dir(run)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')  # the run logged a step: a new config would mix with it
     changed = load_config("tiny_cpu", [f"run.out_dir={run}", "run.resume=auto", "train.lr=1e-3",
                                        "model.block_size=4", "train.max_steps=100"])
     with pytest.raises(ConfigError) as info:
@@ -185,6 +186,33 @@ def test_a_key_that_changes_training_is_refused_naming_its_old_and_new_value(tmp
     assert "model.block_size 8 -> 4; train.lr 0.01 -> 0.001)" in msg and "max_steps" not in msg
     assert "run.overwrite=true" in msg
     assert_unlocked(run)
+
+
+@pytest.mark.parametrize("left", [None, "regenerated.jsonl", "checkpoints", "metrics.jsonl"])
+def test_a_start_that_failed_before_writing_anything_is_no_obstacle_to_a_new_config(tmp_path, caplog, left):
+    """A start that failed early (a wrong data.source) left only its own files; the corrected command starts a new
+    run there, with a new run id. Anything more it left (data, checkpoints, logged steps) keeps the refusal."""
+    run = tmp_path / "run"
+    prepare_out_dir(load_config("tiny_cpu", [f"run.out_dir={run}", "data.source=wrong.jsonl"]))
+    release_run_dir(run)
+    (run / "run.log").write_text("error: Data file 'wrong.jsonl' ...\n")
+    first_id = (run / "run_id").read_text()
+    if left == "checkpoints":
+        (run / "checkpoints").mkdir()
+    elif left:
+        (run / left).write_text('{"step": 1}\n')
+    fixed = load_config("tiny_cpu", [f"run.out_dir={run}", "data.source=synthetic"])
+    if left:
+        with pytest.raises(ConfigError, match="already holds a different run \\(data.source 'wrong.jsonl' -> "):
+            prepare_out_dir(fixed)
+        return
+    with caplog.at_level(logging.INFO, logger="dflash_train"):
+        prepare_out_dir(fixed)
+    release_run_dir(run)
+    assert "trained nothing and wrote no data; starting a new run there with data.source 'wrong.jsonl' -> " \
+        "'synthetic'" in caplog.text
+    assert (run / "run_id").read_text() != first_id
+    assert load_config(str(run / "run_config.yaml"), []).data.source == "synthetic"
 
 
 @pytest.mark.parametrize("keep", [0, -1])

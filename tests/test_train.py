@@ -140,6 +140,7 @@ def test_run_written_before_a_config_field_existed_still_resumes(tmp_path):
     (out / RUN_CONFIG_NAME).write_text(yaml.safe_dump(saved))
     prepare_out_dir(cfg)                                          # same run: no error
     (out / RUN_CONFIG_NAME).write_text(yaml.safe_dump(saved))
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')           # it trained: a different config is refused
     changed = load_config(None, [f"run.out_dir={out}", "data.source=synthetic", "data.synthetic_max_len=200"])
     with pytest.raises(ConfigError, match="already holds a different run"):
         prepare_out_dir(changed)
@@ -156,6 +157,7 @@ def test_only_the_owner_rank_checks_and_writes_the_run_config(tmp_path):
     written = (out / RUN_CONFIG_NAME).read_text()
     node1 = load_config(None, [f"run.out_dir={out}", "data.source=synthetic", "model.target=/node1/m"])
     assert prepare_out_dir(node1, owner=False) == out and (out / RUN_CONFIG_NAME).read_text() == written
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')           # rank 0's run trained: node 1's paths differ
     with pytest.raises(ConfigError, match="already holds a different run"):
         prepare_out_dir(node1)
 

@@ -179,6 +179,18 @@ def test_regenerate_and_eval_arguments(argv, words, tmp_path, monkeypatch, capsy
     assert_one_error(rc, lines, *words)
 
 
+def test_a_training_run_passed_as_the_drafter_names_its_drafter(tmp_path, capsys):
+    # `eval --drafter runs/x` (the run, not runs/x/drafter) said only that runs/x/config.json does not exist
+    from dflash_train.models.checkpoint import CONFIG_NAME
+
+    (tmp_path / "run" / "drafter").mkdir(parents=True)
+    (tmp_path / "run" / "drafter" / CONFIG_NAME).write_text("{}")
+    rc, lines = run_cli(["eval", "--drafter", str(tmp_path / "run")], capsys)
+    assert_one_error(rc, lines, "is a training run", f"{tmp_path / 'run' / 'drafter'}", "drafter_last/")
+    rc, lines = run_cli(["eval", "--drafter", str(tmp_path / "elsewhere")], capsys)
+    assert_one_error(rc, lines, "config.json does not exist", "pass a drafter directory")
+
+
 # ------------------------------------------------------------------------- 6: misleading fixes
 
 def test_target_without_tokenizer(tiny_llama):

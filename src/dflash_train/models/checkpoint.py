@@ -207,6 +207,9 @@ def save_training_weights(drafter: DFlashDrafter | DrafterSnapshot, out_dir: str
 def load_drafter_config(path: str | Path) -> DrafterConfig:
     p = Path(path) / CONFIG_NAME
     if not p.is_file():
+        if (Path(path) / "drafter" / CONFIG_NAME).is_file():  # a training run's directory, not its drafter
+            raise CheckpointError(f"{path} is a training run; pass its drafter, {Path(path) / 'drafter'} (the best "
+                                  "validation step), or drafter_last/ (the final one).")
         raise CheckpointError(f"{p} does not exist; pass a drafter directory written by dflash-train "
                               "(config.json + model.safetensors).")
     try:

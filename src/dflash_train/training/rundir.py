@@ -9,7 +9,8 @@ What a start (prepare_out_dir) does with the directory it is given, holding its 
   deleted) and the new run starts in an empty directory with a new run id.
 - it holds a run whose config differs in a key that changes what is trained: refused, naming each such key with its
   old and new value. The keys that may change (RESUMABLE_KEYS: how long, how often to log, checkpoint or validate,
-  the stall timeout, ...) are logged when resuming.
+  the stall timeout, ...) are logged when resuming. A start that failed before it trained, wrote data or logged a
+  step (a wrong data.source, say) left only its own files: the next start, whatever its config, begins afresh there.
 - run.resume=auto continues the run (its run id: only its own checkpoints are resumed); run.resume=never into a
   directory that already holds trained state (checkpoints, drafter/, logged steps) is refused: it would mix two runs.
 
@@ -51,6 +52,7 @@ RESUMABLE_KEYS = {"train.max_steps", "train.epochs", "train.max_minutes", "train
                   "pipeline.queue_depth", "pipeline.grad_reduce", "model.target_graphs", "train.compile_cache_dir"}
 _QUIET_KEYS = {"run.resume", "run.overwrite"}  # always differ when resuming (never -> auto): not worth a log line
 _MARKERS = (RUN_CONFIG_NAME, RUN_ID_NAME, "checkpoints", "drafter", "metrics.jsonl")  # "a run was started here"
+_BOOKKEEPING = {LOCK_NAME, RUN_ID_NAME, RUN_CONFIG_NAME, "run.log"}  # what a start writes before anything else
 
 
 # ---------------------------------------------------------------------------------------------- the lock
@@ -171,6 +173,12 @@ def _trained(out: Path) -> str | None:
     return None
 
 
+def _bookkeeping_only(out: Path) -> bool:
+    """True when `out` holds nothing but a start's own files (lock, run id, run config, log): its run failed before
+    it trained, wrote data or logged a step, so a new config may start afresh there without mixing anything."""
+    return all(p.name in _BOOKKEEPING for p in out.iterdir())
+
+
 def _make_dir(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -250,9 +258,13 @@ def _start_run(cfg: Config, out: Path) -> None:
             raise ConfigError(f"{saved} is not valid YAML ({str(e).splitlines()[0]}); restore it, or pass "
                               "run.overwrite=true to move this run aside and start over.") from None
         refused, allowed = config_changes(old, cfg)
-        if refused:
+        if refused and not _bookkeeping_only(out):
             raise ConfigError(f"{out} already holds a different run ({'; '.join(refused)}); choose another "
                               "run.out_dir, or pass run.overwrite=true to move it aside and start over.")
+        if refused:  # the last start failed before it trained or wrote data (e.g. a wrong data.source): nothing to mix
+            log.info(f"{out}: its last start trained nothing and wrote no data; starting a new run there with "
+                     f"{'; '.join(refused)}")
+            run_id = None
     trained = _trained(out)
     if cfg.run.resume == "auto":
         if run_id is None and _step_dirs(out):
