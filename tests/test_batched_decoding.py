@@ -266,6 +266,25 @@ def test_rows_that_fit_half_the_memory(tiny_llama):
     assert rows_that_fit(t, 10 ** 12, 8) == 1  # always at least one row
 
 
+def test_rows_that_fit_count_what_the_allocator_holds_idle(monkeypatch):
+    """After the demo's training the caching allocator keeps the feature cache's freed memory reserved; the driver
+    counts it as taken, this process can reuse it. (Was: mem_get_info's free alone, ~8 GiB of an H200.)"""
+    import types
+
+    from dflash_train.inference import batched
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 130 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * gib)   # 120 GiB reserved and idle
+    info = types.SimpleNamespace(num_layers=30, num_key_value_heads=3, head_dim=64)   # SmolLM2: 23,040 B a slot
+    target = types.SimpleNamespace(info=info, device=torch.device("cuda", 0),
+                                   embed_tokens=types.SimpleNamespace(weight=torch.zeros(1, dtype=torch.bfloat16)))
+    row = 5_000 * 23_040
+    assert batched.rows_that_fit(target, 5_000, 32) == 32          # 60.5 GiB to spend: every row
+    assert batched.rows_that_fit(target, 5_000, 10_000) == (121 * gib // 2) // row
+
+
 @pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
 def test_real_drafters_that_are_accepted_in_part_decode_as_each_prompt_alone(biased_llama, architecture):
     """The real runners, with drafts the target accepts in runs of every length: on the biased target (its greedy

@@ -89,6 +89,14 @@ def resolve_config(cfg: Config, single: bool = False) -> Config:
     return dataclasses.replace(cfg, model=model, train=train, pipeline=pipeline)
 
 
+def cuda_memory_available(device: torch.device) -> int:
+    """Bytes this process can still allocate on a CUDA device: the driver's free memory plus what this process's
+    caching allocator holds reserved but unused. Freed tensors (a finished training's, say) stay reserved until
+    torch.cuda.empty_cache(), and mem_get_info alone counts them as taken."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def peak_memory_line(devices: list[torch.device]) -> str | None:
     """The run's peak of allocated memory on each CUDA device it used (what a batch size or train.feature_cache_gb
     can still take), or None without one."""

@@ -27,6 +27,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..devices import cuda_memory_available
 from ..models.cuda_graph import GraphedStep, resolve_graphs
 from ..models.drafter import DFlashDrafter
 from ..models.drafter2 import DFlash2Drafter
@@ -223,12 +224,13 @@ def agreed_drafts(drafts: torch.Tensor, choice: torch.Tensor) -> torch.Tensor:
 
 def rows_that_fit(target: TargetModel, slots: int, wanted: int) -> int:
     """How many rows of `slots` target cache slots to decode at once: `wanted`, fewer where their K/V would take more
-    than half the device's free memory (a CPU: 4 GiB)."""
+    than half the memory the device has left (cuda_memory_available: after a training in the same process, as in
+    the demo, what its allocator keeps reserved counts as left; a CPU: 4 GiB)."""
     info = target.info
     per_row = slots * info.num_layers * 2 * info.num_key_value_heads * info.head_dim * \
         target.embed_tokens.weight.element_size()
     if target.device.type == "cuda":
-        budget = torch.cuda.mem_get_info(target.device)[0] // 2
+        budget = cuda_memory_available(target.device) // 2
     else:
         budget = 4 << 30
     return max(1, min(wanted, budget // per_row))

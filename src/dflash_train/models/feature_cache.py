@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ..devices import cuda_memory_available
+
 log = logging.getLogger("dflash_train")
 
 
@@ -183,9 +185,7 @@ class RowFeatures:
             row_bytes = feats.numel() * feats.element_size()
             budget = self.budget_bytes
             if feats.device.type == "cuda":  # the driver's free memory and what this process's allocator holds idle
-                free, _ = torch.cuda.mem_get_info(feats.device)
-                idle = torch.cuda.memory_reserved(feats.device) - torch.cuda.memory_allocated(feats.device)
-                budget = min(budget, max(0, free + idle - self.CUDA_HEADROOM))
+                budget = min(budget, max(0, cuda_memory_available(feats.device) - self.CUDA_HEADROOM))
             self.capacity = int(budget // row_bytes)
             with RowFeatures._host_lock:
                 promised = sum(tier._host_promise for tier in RowFeatures._host_tiers)
