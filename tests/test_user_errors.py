@@ -179,6 +179,19 @@ def test_regenerate_and_eval_arguments(argv, words, tmp_path, monkeypatch, capsy
     assert_one_error(rc, lines, *words)
 
 
+@pytest.mark.parametrize("argv, words", [
+    (["demo", "--minutes", "0"], ["--minutes must be positive (got 0)"]),   # was: train.max_minutes, not set by hand
+    (["demo", "--out", "A_FILE/run"], ["the demo's cache directory A_FILE/.cache cannot be created", "another --out"]),
+    (["demo", "--out", "run", "data.cache_dir=A_FILE/c"], ["A_FILE/c cannot be created", "another data.cache_dir"]),
+])
+def test_demo_arguments(argv, words, tmp_path, monkeypatch, capsys):
+    # Each is refused before the GGUF is converted (was a FileNotFoundError traceback for an unwritable --out).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "A_FILE").write_text("x")
+    rc, lines = run_cli(argv, capsys)
+    assert_one_error(rc, lines, *words)
+
+
 def test_a_training_run_passed_as_the_drafter_names_its_drafter(tmp_path, capsys):
     # `eval --drafter runs/x` (the run, not runs/x/drafter) said only that runs/x/config.json does not exist
     from dflash_train.models.checkpoint import CONFIG_NAME

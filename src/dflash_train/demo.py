@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 from .config import Config, load_config
+from .errors import UserError
+from .training.rundir import make_dir
 
 log = logging.getLogger("dflash_train")
 
@@ -176,12 +178,16 @@ def build_demo_config(device: torch.device, minutes: float | None, out: str, ove
     if device.type == "cuda":
         ov += GPU_OVERRIDES
     if minutes is not None:
+        if not minutes > 0:
+            raise UserError(f"--minutes must be positive (got {minutes:g}); leave it out for the demo's own "
+                            "budget (20 minutes in all on a GPU).")
         ov.append(f"train.max_minutes={minutes}")
     cfg = load_config(RECIPE, ov + list(overrides))
     gguf = cfg.model.target
     if gguf is None or (gguf.endswith(".gguf") and Path(gguf).is_file()):
         # A GGUF load dequantizes every tensor and rebuilds the tokenizer, and a demo loads the target many times
         cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(out).parent / ".cache"
+        make_dir(cache, "the demo's cache directory", "data.cache_dir" if cfg.data.cache_dir else "--out")
         cfg = load_config(RECIPE, ov + list(overrides) + [f"model.target={local_embedded_target(cache, gguf)}"])
     return cfg
 

@@ -179,13 +179,14 @@ def _bookkeeping_only(out: Path) -> bool:
     return all(p.name in _BOOKKEEPING for p in out.iterdir())
 
 
-def _make_dir(out: Path) -> None:
+def make_dir(out: Path, what: str = "run.out_dir", fix: str = "run.out_dir") -> None:
+    """mkdir -p `out` (`what`, in words), or one sentence naming it and `fix`, what the user sets to mend it."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        raise UserError(f"run.out_dir {out} is a file, not a directory; choose another run.out_dir.") from None
+        raise UserError(f"{what} {out} is a file, not a directory; choose another {fix}.") from None
     except OSError as e:
-        raise UserError(f"run.out_dir {out} cannot be created ({e.strerror}); choose a directory you can write "
+        raise UserError(f"{what} {out} cannot be created ({e.strerror}); choose another {fix}, one you can write "
                         "to.") from None
 
 
@@ -204,7 +205,7 @@ def _move_aside(out: Path) -> Path:
         old_lock = _held.pop(here)
     try:
         os.rename(here, aside)  # still holding the old directory's lock: nothing else writes into what moves
-        _make_dir(out)
+        make_dir(out)
         _lock(out)
     except OSError as e:
         raise UserError(f"run.overwrite=true could not move {out} aside to {aside} ({e.strerror}); move or remove "
@@ -232,7 +233,7 @@ def prepare_out_dir(cfg: Config, owner: bool = True) -> Path:
     data.source, devices) that differ from rank 0's; what must agree is checked by the start gate
     (pipeline/distributed.py)."""
     out = Path(cfg.run.out_dir)
-    _make_dir(out)
+    make_dir(out)
     if not owner:
         return out
     _lock(out)
