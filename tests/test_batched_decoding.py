@@ -330,3 +330,39 @@ def test_the_selector_walks_rows_as_it_walks_one_block(tiny_llama):
     assert torch.equal(rows, alone)
     unary_only = logits.topk(sel.top_k, dim=-1)[1][..., 0]  # what ignoring the predecessor would pick
     assert not torch.equal(rows, unary_only)
+
+
+def test_a_row_that_overshoots_its_limit_writes_only_its_own_drafter_context(biased_llama, monkeypatch):
+    """A row's last step can keep up to B - 1 tokens past max_new_tokens (the sink drops them, its position does
+    not), and while other rows decode on, each step still appends its block's B context rows at that position. The
+    drafter's cache must hold them inside the row: past it they land on the next row's prompt context (silently
+    other drafts for that row) or, for the last row, past the buffer (IndexError). Equal-length prompts, B = 8."""
+    from dflash_train.inference import batched
+
+    b, new = 8, 12
+    t = load_target(biased_llama, LAYERS, truncate=False)
+    drafter = make_drafter(biased_llama, b, seed=2)
+    with torch.no_grad():  # drafts of 0s and 1s: runs of every length accepted (as in the test above)
+        drafter.norm.weight.zero_()
+        drafter.norm.weight[0] = 1.0
+    prompts = prompts_of([6, 6, 6, 6], seed=0)
+    max_len = 6 + new + b
+    t_one = TargetRunner.for_target(t, max_len, step_lens=(1, b))
+    d_one = DrafterRunner(drafter, t, max_len, b)
+    alone = [speculative_generate(t_one, d_one, p, new) for p in prompts]
+    assert any(sum(a.accept_lengths) + 1 > new + 2 for a in alone[:-1])  # an overshooting row, not the last ...
+    assert sum(alone[-1].accept_lengths) + 1 > new + 2                    # ... and the last one
+
+    writes = []  # (row of each flat slot, position) of every context write
+    real_write = batched.BatchedDrafterRunner._write_context
+
+    def recording(self, feats, pos, slots):
+        writes.append((self.max_len, pos.tolist(), slots.tolist()))
+        return real_write(self, feats, pos, slots)
+
+    monkeypatch.setattr(batched.BatchedDrafterRunner, "_write_context", recording)
+    together = decode_batched(t, drafter, prompts, new, b, rows=4)
+    assert [tok for tok, _ in together] == [a.tokens for a in alone]
+    assert [steps for _, steps in together] == [a.accept_lengths for a in alone]
+    for L, pos, slots in writes:  # every write stays in its own row's L slots
+        assert all(p < L and s % L == p for p, s in zip(pos, slots))

@@ -168,7 +168,9 @@ def speculative_generate_batch(target: TargetRunner, drafter, prompts: list[list
     acceptance length of each verification step), each what speculative_generate gives for that prompt alone (up
     to the rounding of batched kernels). target: TargetRunner.for_target with batch_size rows and a step of B
     tokens, at least max(len(prompt)) + B * (max_new_tokens + 1) slots; drafter: a BatchedDrafterRunner of the same
-    rows (or a test double with its begin / extend / propose_rows), at least max(len(prompt)) + max_new_tokens + B."""
+    rows (or a test double with its begin / extend / propose_rows), at least max(len(prompt)) + max_new_tokens + 2B:
+    a row's last step may keep up to B - 1 tokens past max_new_tokens, and while other rows decode on, every step
+    appends its B block rows at the position where that row stopped."""
     R, B = target.batch_size, drafter.block_size
     n = len(prompts)
     if not 0 < n <= R:
@@ -249,7 +251,7 @@ def decode_batched(target: TargetModel, drafter: DFlashDrafter, prompts: list[li
                  "the free memory")
     t_run = TargetRunner.for_target(target, slots, step_lens=(B,), graphs=graphs, batch_size=R)
     runner = BatchedDrafter2Runner if isinstance(drafter, DFlash2Drafter) else BatchedDrafterRunner
-    d_run = runner(drafter, target, R, P + max_new_tokens + B + 1, B, graphs)
+    d_run = runner(drafter, target, R, P + max_new_tokens + 2 * B, B, graphs)  # speculative_generate_batch: why 2B
     out: list[tuple[list[int], list[int]]] = []
     for i in range(0, len(prompts), R):
         out += speculative_generate_batch(t_run, d_run, prompts[i:i + R], max_new_tokens, stop_ids)
