@@ -432,8 +432,20 @@ def _cache_key(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int) -> 
     st = path.stat()
     tok = encoder.tokenizer
     parts = [CACHE_VERSION, str(path.resolve()), st.st_size, st.st_mtime_ns, tok.name_or_path, len(tok),
+             _tokenizer_fingerprint(tok), sorted(encoder.special_ids),
              encoder.template, cfg.max_length, cfg.max_samples, cfg.heldout_fraction, cfg.heldout_max, seed]
     return hashlib.sha1(json.dumps(parts).encode()).hexdigest()[:20]
+
+
+def _tokenizer_fingerprint(tok) -> str:
+    """sha1 of the fast tokenizer's own definition (added tokens, normalizer, pre-tokenizer, model: vocabulary and
+    merges), so that a tokenizer replaced at the same path is not served another's ids. Its truncation and padding
+    settings, which serialise before "added_tokens" and which a call may change, are left out (14 ms for SmolLM2's)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer: its vocabulary, added tokens included
+        return hashlib.sha1(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
+    text = backend.to_str()
+    return hashlib.sha1(text[max(text.find('"added_tokens":'), 0):].encode()).hexdigest()
 
 
 def _flatten(samples: list[Sample]) -> dict[str, np.ndarray]:
