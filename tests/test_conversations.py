@@ -566,3 +566,27 @@ def test_a_tokenizer_replaced_at_the_same_path_is_not_served_from_the_cache(tmp_
     fresh = load_chat_dataset(cfg, new_tok, cache_dir=None)
     assert fresh.train != old.train  # the two tokenizers do give other ids
     assert new.stats["cache"] == "miss" and new.train == fresh.train
+
+
+def test_ids_that_read_as_parts_of_one_chat_are_named_when_they_defeat_the_split(tmp_path, tok, caplog):
+    """FastChat-style ids `identity_0`, `identity_1`, ... read as parts of one ShareGPT chat `identity`: every
+    conversation then lands on the same side of the split. Training on all of them warns (validation would be off
+    with advice to raise data.heldout_fraction, which cannot help), all held out fails, each naming the ids."""
+    records = many_chats(30)
+    for i, r in enumerate(records):
+        r["id"] = f"identity_{i}"
+    path = write_jsonl(tmp_path / "identity.jsonl", records)
+    cfg = DataConfig(source=str(path), heldout_fraction=0.2)
+    seeds = {side: next(s for s in range(100) if is_heldout("identity", s, 0.2) == side) for side in (False, True)}
+    with caplog.at_level(logging.WARNING, logger="dflash_train"):
+        split = load_chat_dataset(cfg, tok, seed=seeds[False])
+    assert (len(split.train), len(split.heldout)) == (30, 0)
+    assert "30 of the 30 conversations read share the split key 'identity'" in caplog.text
+    assert "an id that does not end in _<number>" in caplog.text
+    with pytest.raises(DataError, match="30 of the 30 conversations read share the split key 'identity'"):
+        load_chat_dataset(cfg, tok, seed=seeds[True])
+    caplog.clear()  # distinct ids, and ShareGPT parts of a few chats among many: no word of it
+    with caplog.at_level(logging.WARNING, logger="dflash_train"):
+        load_chat_dataset(DataConfig(source=str(write_jsonl(tmp_path / "c.jsonl", many_chats(30))),
+                                     heldout_fraction=0.2), tok)
+    assert "share the split key" not in caplog.text

@@ -327,6 +327,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int, u
     conversation is exact and the result depends neither on ENCODE_BATCH nor on data.tokenize_workers.
     until: the file is still being written (iter_conversations). workers: tokenize_workers(cfg, path) if None."""
     counts: Counter = Counter()
+    keys: Counter = Counter()  # conversations per split key: one key for most of the file is a naming collision
     cap = {False: cfg.max_samples if cfg.max_samples is not None else math.inf,
            True: cfg.heldout_max if cfg.heldout_fraction > 0 else 0}
     kept: dict[bool, list[tuple[Conversation, Sample]]] = {False: [], True: []}
@@ -362,6 +363,7 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int, u
         try:
             for conv in iter_conversations(path, counts, until):
                 n_read += 1
+                keys[conv.key] += 1
                 held = is_heldout(conv.key, seed, cfg.heldout_fraction)
                 n_pending = pending_by_side[held] + batches.pending(held)
                 if len(kept[held]) + n_pending >= cap[held]:
@@ -384,8 +386,9 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int, u
     skipped = {k.removeprefix("skip:"): n for k, n in sorted(counts.items()) if k.startswith("skip:")}
     if not train and n_read == 0 and not skipped:
         raise DataError(f"Data file {str(path)!r} holds no records; fill it with chat conversations or {SOURCE_HINT}.")
+    collision = _key_collision(keys, n_read) if cfg.heldout_fraction > 0 else None
     if not train:
-        raise DataError(_no_training_data(cfg, path, n_read, skipped))
+        raise DataError(_no_training_data(cfg, path, n_read, skipped, collision))
     stats = {
         "source": cfg.source, "path": str(path), "mask_rule": encoder.mask_rule,
         "conversations": n_read, "train": len(train), "heldout": len(heldout),
@@ -393,15 +396,34 @@ def _build_split(cfg: DataConfig, path: Path, encoder: ChatEncoder, seed: int, u
         "train_loss_tokens": sum(sum(s.loss_mask) for s in train),
         "at_max_length": sum(len(s.input_ids) == cfg.max_length for s in train + heldout),  # ~ truncated
         "max_length": cfg.max_length, "stopped_early": stopped_early, "skipped": skipped,
+        **({"key_collision": collision} if collision else {}),
         **{k: n for k, n in counts.items() if not k.startswith("skip:")},
     }
     return DatasetSplit(train=train, heldout=heldout, heldout_messages=[c.messages for c, _ in kept[True]],
                         stats=stats, heldout_keys=[str(c.key) for c, _ in kept[True]])
 
 
-def _no_training_data(cfg: DataConfig, path: Path, n_read: int, skipped: dict[str, int]) -> str:
+def _key_collision(keys: Counter, n_read: int) -> str | None:
+    """A sentence when one split key holds at least half of the conversations read (and two or more of them): the
+    split keeps a key's conversations on one side, so the file cannot be split. The usual cause is ids such as
+    `identity_0`, `identity_1`, ..., which the ShareGPT convention (sources._record_key) reads as parts of one chat
+    (ShareGPT's own largest chat has 89 parts of 17,390 records)."""
+    if not keys:
+        return None
+    key, n = keys.most_common(1)[0]
+    if n < 2 or 2 * n < n_read:
+        return None
+    return (f"{n} of the {n_read} conversations read share the split key {key!r} (ids like '{key}_0', '{key}_1' "
+            "read as parts of one chat), so they all fall on the same side of the train/held-out split; give each "
+            "conversation an id that does not end in _<number>, or no id")
+
+
+def _no_training_data(cfg: DataConfig, path: Path, n_read: int, skipped: dict[str, int],
+                      collision: str | None = None) -> str:
     """Why no conversation reached the training side, with the fix that applies (not always the file's format)."""
     where = f"Data file {str(path)!r} gave no usable training conversations"
+    if not skipped and collision:
+        return f"{where}: {collision}."
     if not skipped:  # every conversation read went to the held-out side
         return (f"{where}: all {n_read} conversations read fell on the held-out side (data.heldout_fraction="
                 f"{cfg.heldout_fraction}); lower data.heldout_fraction or use a larger file.")
@@ -515,3 +537,5 @@ def _log_summary(stats: dict, seconds: float) -> None:
              "(%.0f%% in the loss), %d at max_length %d; skipped: %s; cache %s; %.1fs",
              stats["source"], stats["conversations"], stats["train"], stats["heldout"], tokens / 1e6,
              100 * loss / max(tokens, 1), stats["at_max_length"], stats["max_length"], skipped, stats["cache"], seconds)
+    if stats.get("key_collision"):  # kept in the cache's stats: said again on a cache hit
+        log.warning(f"chat data {stats['source']}: {stats['key_collision']}")
