@@ -366,3 +366,94 @@ def test_a_row_that_overshoots_its_limit_writes_only_its_own_drafter_context(bia
     assert [steps for _, steps in together] == [a.accept_lengths for a in alone]
     for L, pos, slots in writes:  # every write stays in its own row's L slots
         assert all(p < L and s % L == p for p, s in zip(pos, slots))
+
+
+@pytest.mark.parametrize("architecture", ["dflash", "dflash2"])
+def test_batch_after_batch_of_uneven_rows_that_stop_or_overshoot_stays_in_each_rows_memory(biased_llama,
+                                                                                            architecture, monkeypatch):
+    """Runners reused batch after batch (9 prompts, 4 rows: a last batch of one prompt and three spare rows), prompts
+    of 1 to 60 tokens (left padding), a stop token that ends rows at their first token or mid-block, rows that
+    overshoot max_new_tokens, B = 4 and B = 16 with max_new_tokens not a multiple of B and below it. Each row
+    decodes as its prompt alone (tokens, acceptance lengths, and the drafter's logits at every step), the drafter
+    writes only its own row's context, and at every target step each row, done or spare ones included, sees exactly
+    its own kept tokens at positions 0..p-1 and queries from p on: nothing of an earlier batch (offsets, holes,
+    masks), of a finished step or of another row shows through."""
+    from test_dflash2 import coin_drafter, make_drafter2
+
+    from dflash_train.inference import batched
+    from dflash_train.inference.drafter_runner import Drafter2Runner
+
+    t = load_target(biased_llama, LAYERS, truncate=False)
+    prompts = prompts_of([1, 45, 2, 33, 6, 6, 60, 12, 25], seed=2)
+    stop, rows = (1,), 4
+    seen = {"mid-block stop": False, "overshoot": False, "first-token stop": False}
+    for b, new in [(4, 21), (16, 21), (16, 5), (16, 40)]:
+        if architecture == "dflash":
+            drafter, one_runner = make_drafter(biased_llama, b, seed=2), DrafterRunner
+            with torch.no_grad():  # drafts of 0s and 1s: runs of every length accepted
+                drafter.norm.weight.zero_()
+                drafter.norm.weight[0] = 1.0
+        else:
+            drafter, one_runner = coin_drafter(make_drafter2(biased_llama, f"model.block_size={b}")), Drafter2Runner
+        max_len = max(map(len, prompts)) + new + b
+        t_one = TargetRunner.for_target(t, max_len, step_lens=(1, b))
+        alone, alone_logits = [], []
+        for p in prompts:
+            d_one, logits = one_runner(drafter, t, max_len, b), []
+
+            def draft_one(last, start, real=d_one.draft, logits=logits):
+                out = real(last, start)
+                logits.append((out[1] if isinstance(out, tuple) else out).clone())  # DFlash 2: (hidden, logits)
+                return out
+
+            d_one.draft = draft_one
+            alone.append(speculative_generate(t_one, d_one, p, new, stop_ids=stop))
+            alone_logits.append(logits)
+
+        writes, drafts, slot_pos = [], [], {}  # slot_pos: slot -> each row's position there (this batch)
+        real_write, real_bdraft = batched.BatchedDrafterRunner._write_context, batched.BatchedDrafterRunner.draft
+        real_prefill, real_step = TargetRunner.prefill, TargetRunner.step
+
+        def write(self, feats, pos, slots):
+            writes.append((self.max_len, self.rows, pos.tolist(), slots.tolist()))
+            return real_write(self, feats, pos, slots)
+
+        def draft(self, last, starts):
+            out = real_bdraft(self, last, starts)
+            drafts[-1].append((out[1] if isinstance(out, tuple) else out).clone())
+            return out
+
+        def prefill(self, ids, pad_len=None):
+            drafts.append([])
+            slot_pos.clear()
+            slot_pos.update({s: [max(0, s - pad) for pad in pad_len] for s in range(ids.shape[1])})
+            return real_prefill(self, ids, pad_len)
+
+        def step(self, ids, start):
+            visible = self.valid[:, :start].clone()
+            out = real_step(self, ids, start)
+            pos = self._bufs[ids.shape[-1]]["pos"]
+            for r in range(self.batch_size):
+                assert [slot_pos[s][r] for s in range(start) if visible[r, s]] == list(range(int(pos[r, 0])))
+            slot_pos.update({start + k: pos[:, k].tolist() for k in range(ids.shape[-1])})
+            return out
+
+        monkeypatch.setattr(batched.BatchedDrafterRunner, "_write_context", write)
+        monkeypatch.setattr(batched.BatchedDrafterRunner, "draft", draft)
+        monkeypatch.setattr(TargetRunner, "prefill", prefill)
+        monkeypatch.setattr(TargetRunner, "step", step)
+        together = decode_batched(t, drafter, prompts, new, b, stop_ids=stop, rows=rows)
+        monkeypatch.undo()
+        assert [tok for tok, _ in together] == [a.tokens for a in alone]
+        assert [steps for _, steps in together] == [a.accept_lengths for a in alone]
+        for L, R, pos, slots in writes:  # every drafter context write stays in its own row's L slots
+            assert all(p < L and s % L == p and s // L < R for p, s in zip(pos, slots))
+        for i, logits in enumerate(alone_logits):  # the row's drafts at each of its steps are its prompt's alone
+            batch, r = divmod(i, rows)
+            for k, one in enumerate(logits):
+                torch.testing.assert_close(drafts[batch][k][r], one, rtol=1e-4, atol=1e-4)
+        for a in alone:
+            seen["mid-block stop"] |= a.tokens[-1] in stop and sum(a.accept_lengths) + 1 > len(a.tokens)
+            seen["overshoot"] |= sum(a.accept_lengths) + 1 > new
+            seen["first-token stop"] |= not a.accept_lengths
+    assert all(seen.values()), seen
