@@ -33,7 +33,8 @@ def tiny_cfg(target, out, *extra):
 
 def _walk(mask: list[bool], docs: list[int], accept: dict[int, int]) -> list[float]:
     """Decoding's walk, written out plainly: per reply, from its first token, jump by what each block accepts; a
-    block never reaches past the reply's last token (decoding stops at the end-of-turn token it emits)."""
+    block that drafts the reply's last token right counts its drafts + 1, as the evaluator's step does (no label
+    past the reply: the draft after it counts as rejected)."""
     out = []
     for start in range(len(mask)):
         if mask[start] and (start == 0 or not mask[start - 1] or docs[start - 1] != docs[start]):
@@ -42,7 +43,7 @@ def _walk(mask: list[bool], docs: list[int], accept: dict[int, int]) -> list[flo
                 last += 1
             steps, a = [], start
             while a < last and accept.get(a, 0) > 0:
-                steps.append(min(accept[a], last - a))
+                steps.append(min(accept[a], last + 1 - a))
                 a += steps[-1]
             if steps:
                 out.append(sum(steps) / len(steps))
@@ -57,13 +58,14 @@ def test_decoding_walk_jumps_by_what_each_block_accepts():
     accept[3], accept[5], accept[4] = 2, 3, 9   # 3 -> 5 -> 8 (the reply's last token: no block starts there)
     accept[11], accept[12] = 1, 2               # 11 -> 12 -> 14
     assert decoding_tau(mask, docs, accept) == [2.5, 1.5]
-    # A block that drafts the reply's last token right counts up to it, not the target's token after it: decoding
-    # stops at the end-of-turn token.
-    accept[5] = 4                               # 5 -> 9 would be past the reply (3..8): 3, to its last token
-    accept[12] = 3
-    assert decoding_tau(mask, docs, accept) == [2.5, 1.5]
+    # A block that drafts the reply's last token right counts its drafts + 1, as decoding's step records it (the
+    # evaluator's acceptance length; the stop token only cuts what is emitted): tests below pin it against
+    # speculative_generate.
+    accept[5] = 4                               # 5: drafts 6, 7, 8 (the reply's last token) right, + 1
+    accept[12] = 3                              # 12: drafts 13, 14 right, + 1
+    assert decoding_tau(mask, docs, accept) == [3.0, 2.0]
     walk = decoding_walks(mask, docs, accept)[0]
-    assert (walk.doc, walk.start, walk.end, walk.steps) == (0, 3, 9, [2, 3])
+    assert (walk.doc, walk.start, walk.end, walk.steps) == (0, 3, 9, [2, 4])
 
 
 def test_validation_metrics_equal_a_direct_computation(tiny_llama, tmp_path):
@@ -366,7 +368,8 @@ def test_the_best_steps_replies_are_kept_by_key_and_pair_with_a_measurement(tiny
             sum(r["steps"]) / len(r["steps"]))
         row, doc = next((row, names.index(r["key"])) for row, names in zip(rows.rows, keys) if r["key"] in names)
         assert r["tokens"] == row.input_ids[(row.doc_ids == doc) & row.loss_mask].tolist()  # the reply walked
-        assert sum(r["steps"]) == len(r["tokens"]) - 1  # from the first token (the anchor) to the last
+        # from the first token (the anchor) to the last, + 1 when the last block drafted the last token right
+        assert len(r["tokens"]) - 1 <= sum(r["steps"]) <= len(r["tokens"])
     # a measurement of some of those conversations, 0.5 lower on each: paired, the difference is exactly -0.5
     measured = [{"id": r["key"], "tau": r["tau"] - 0.5} for r in kept["replies"][:3]]
     twice = kept["replies"][3]["key"]  # an id two prompts share (parts of one chat): which pairs is unknown
@@ -390,3 +393,67 @@ def test_the_best_steps_replies_are_kept_by_key_and_pair_with_a_measurement(tiny
     compare_evals.main([str(out / REPLIES_FILE), str(tmp_path / "eval.json")])
     assert ("texts: 1 of 2 regenerated replies agree with plain decoding to the shorter's end; the others part at "
             "token 2") in capsys.readouterr().out
+
+
+class _ScriptedTarget:
+    """A target whose greedy text is `seq` (prompt, reply, then whatever it would say after the reply's end): the
+    next token after position i is seq[i + 1], one-hot logits, features of width 1. What speculative_generate needs
+    of a TargetRunner."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, seq: list[int], vocab: int):
+        self.seq, self.vocab = seq, vocab
+
+    def _logits(self, positions):
+        return torch.nn.functional.one_hot(torch.tensor([self.seq[p + 1] for p in positions]), self.vocab).float()
+
+    def prefill(self, ids):
+        P = ids.shape[1]
+        return self._logits([P - 1])[None], torch.zeros(1, P, 1)
+
+    def step(self, tokens, start):
+        B = tokens.shape[1]
+        return self._logits(range(start, start + B))[None], torch.zeros(1, B, 1)
+
+
+class _ScriptedDrafter:
+    """A drafter whose block from anchor a drafts seq right at positions 1..accept[a]-1 and wrong after them (so
+    decoding accepts exactly what validation's accept_len says, and nothing past a reply's end)."""
+
+    def __init__(self, seq: list[int], accept: list[int], block_size: int, vocab: int, wrong: int):
+        self.seq, self.accept, self.block_size, self.vocab, self.wrong = seq, accept, block_size, vocab, wrong
+
+    def begin(self, feats):
+        pass
+
+    def extend(self, feats, start):
+        pass
+
+    def draft(self, last, start):
+        drafts = [self.seq[start + k] if k < self.accept[start] else self.wrong for k in range(1, self.block_size)]
+        return torch.nn.functional.one_hot(torch.tensor(drafts), self.vocab).float()
+
+
+@pytest.mark.parametrize("accept_at", [{3: 4, 7: 4}, {3: 3, 6: 3, 9: 2}, {3: 4, 7: 3}],
+                         ids=["whole-block-to-eos", "eos-then-past", "eos-as-bonus"])
+def test_decoding_walk_counts_each_block_as_the_evaluator_does(accept_at):
+    """Validation's walk over a reply that is the target's own greedy answer (ending at its end-of-turn token)
+    records, block for block, the acceptance lengths speculative decoding records on its prompt (the evaluator's
+    tau: accepted drafts + 1 per verification step, the last step included, whatever the stop token cuts)."""
+    from dflash_train.inference.speculative import speculative_generate
+
+    B, V, EOS, WRONG = 4, 16, 15, 14
+    prompt, reply = [1, 2, 3], [4, 5, 6, 7, 8, 9, 10, EOS]     # reply at positions 3..10
+    seq = prompt + reply + [11] * (2 * B)                      # 11: what the target would say after EOS
+    T = len(prompt) + len(reply)
+    accept = [0] * len(seq)
+    for a, n in accept_at.items():
+        accept[a] = n
+    gen = speculative_generate(_ScriptedTarget(seq, V), _ScriptedDrafter(seq, accept, B, V, WRONG), prompt,
+                               max_new_tokens=64, stop_ids=[EOS])
+    assert gen.tokens == reply  # lossless: the target's own answer
+    mask = torch.tensor([False] * len(prompt) + [True] * len(reply))
+    (walk,) = decoding_walks(mask, torch.zeros(T, dtype=torch.long), torch.tensor(accept[:T]))
+    assert walk.steps == gen.accept_lengths
+    assert walk.tau == pytest.approx(gen.tau)

@@ -165,8 +165,9 @@ def decoding_walks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch
     anchor at each position (0 where no block can start). A reply's walk starts at its first token (the target's
     first generated token: the first block's anchor) and jumps by what each block accepted, until it reaches a
     position where no block starts (the reply's last token, or past it). A block that drafts the reply's last token
-    right (its end-of-turn token) counts the tokens up to it: decoding stops there, with no token of the target's
-    after it."""
+    right (its end-of-turn token) counts what decoding's step records there at the least: its right drafts plus one
+    (the evaluator's acceptance length is accepted drafts + 1 on every step, the last too, though the stop token
+    cuts what is emitted; the draft after the reply's end is not known here, so it counts as rejected)."""
     T = loss_mask.shape[0]
     mask, docs, acc = loss_mask.tolist(), doc_ids.tolist(), accept.tolist()
     walks = []
@@ -178,7 +179,7 @@ def decoding_walks(loss_mask: torch.Tensor, doc_ids: torch.Tensor, accept: torch
             end += 1
         steps, a = [], p
         while a < end - 1 and acc[a] > 0:
-            steps.append(min(acc[a], end - 1 - a))
+            steps.append(min(acc[a], end - a))  # no label past the reply: at most its drafts + 1
             a += steps[-1]
         if steps:
             walks.append(Walk(docs[p], p, end, steps))
