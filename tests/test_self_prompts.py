@@ -407,6 +407,47 @@ def test_self_prompts_are_answered_into_the_run_data_and_tokenize_as_conversatio
         == before
 
 
+def test_prompts_written_again_with_other_settings_get_answers_of_their_own(chat_target, tmp_path, monkeypatch):
+    """run.overwrite=true into a data directory kept across runs (the demo's <out>-data): the prompts written with
+    other settings replace the old ones under the same ids (self_<n>), and the answers to the old prompts must not
+    pass for answers to the new ones: the answers start over, every answer answers its own id's prompt; with fewer
+    prompts asked for, the answers file (which the run's data.mix reads whole) holds the answers to those only."""
+    import dflash_train.generation.run_data as regen_mod
+    from dflash_train.config import build_config
+    tok = make_byte_tokenizer()
+    hf = letter_lm(chat_target, tok, p_end=0.08)
+    monkeypatch.setattr(regen_mod, "load_causal_lm", lambda target, device: hf)
+    data, where = write_chats(tmp_path / "chats.jsonl", 4), tmp_path / "data"
+
+    def cfg(overwrite=True, **data_over):
+        return build_config({"model": {"target": chat_target},
+                             "data": {"source": str(data), "regenerate": True, "self_prompts": 5,
+                                      "heldout_fraction": 0.0, "regenerate_max_new_tokens": 8,
+                                      "self_prompt_max_tokens": 24, **data_over},
+                             "pipeline": {"target_devices": ["cpu"], "drafter_devices": ["cpu"]},
+                             "run": {"out_dir": str(tmp_path / "run"), "overwrite": overwrite}})
+
+    regenerate_data(cfg(), where, tok)
+    first, old_answers = _lines(where / "self_prompts.jsonl"), (where / "self_regenerated.jsonl").read_text()
+    regenerate_data(cfg(), where, tok)  # the same settings again: every answer kept as it is, none written again
+    assert (where / "self_regenerated.jsonl").read_text() == old_answers
+    assert len(_lines(where / "self_regenerated.jsonl")) == 5
+    regenerate_data(cfg(self_prompt_steered=0.0), where, tok)
+    prompts = {r["id"]: r["messages"][0] for r in _lines(where / "self_prompts.jsonl")}
+    assert list(prompts.values()) != [r["messages"][0] for r in first]  # written again, with the new settings
+    answers = {r["id"]: r["messages"][0] for r in _lines(where / "self_regenerated.jsonl")}
+    assert answers == {f"{k}_0": m for k, m in prompts.items()}
+    # Fewer prompts asked for: the mix reads the answers whole, so they hold the answers to those only.
+    d = regenerate_data(cfg(self_prompt_steered=0.0, self_prompts=3), where, tok)
+    answers = {r["id"]: r["messages"][0] for r in _lines(where / "self_regenerated.jsonl")}
+    assert answers == {f"{k}_0": m for k, m in list(prompts.items())[:3]}
+    assert d.mix == [str(where / "regenerated.jsonl"), str(where / "self_regenerated.jsonl")]
+    # Without run.overwrite, answers to other prompts are refused, not trained on.
+    (where / "self_regenerated.jsonl").write_text(old_answers)
+    with pytest.raises(UserError, match="answers to other prompts"):
+        regenerate_data(cfg(overwrite=False, self_prompt_steered=0.0), where, tok)
+
+
 @pytest.mark.parametrize("self_prompts", [5, 0])
 def test_tokenized_ahead_the_run_loads_its_data_from_the_cache(chat_target, tmp_path, monkeypatch, caplog,
                                                                 self_prompts):

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -21,6 +22,7 @@ from ..data.dataset import mix_entry_config, tokenized_cache_dir
 from ..data.sources import iter_conversations
 from ..data.tokenize_ahead import TokenizeAheads, wants_tokenize_ahead
 from ..devices import resolve_pipeline_devices
+from ..errors import UserError
 from ..models.target import load_causal_lm
 from .engine import batch_size_for
 from .regenerate import RegenerateSettings, iter_source_records, regenerate_dataset
@@ -55,6 +57,14 @@ def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, 
         own.batch_size = json.loads(meta.read_text()).get("batch_size", batch_size)
     write_self_prompts(models[0], tokenizer, path, d.self_prompts, own, replace=cfg.run.overwrite, stop=stop)
     records = read_self_prompts(path, d.self_prompts)
+    # The mix below reads the answers whole: answers to other prompts (the prompts written again with other settings,
+    # or fewer of them asked for, under run.overwrite into a kept directory such as the demo's) must not stay in it.
+    if _answers_other_prompts(answers, path, d.self_prompts):
+        if not cfg.run.overwrite:
+            raise UserError(f"{answers} holds answers to other prompts than the {len(records)} of {path} this run "
+                            "uses; delete it, or pass run.overwrite=true to start over.")
+        log.warning(f"{answers} answers other prompts than the {len(records)} of {path} this run uses: starting over")
+        answers.unlink()
     if records and not (stop is not None and stop.is_set()):
         answered = regenerate_dataset(models, tokenizer, self_prompt_items(records), answers,
                                       dataclasses.replace(settings, source=str(path)), batch_size=batch_size,
@@ -154,6 +164,23 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
     return (dataclasses.replace(d, source=str(out_path), regenerate=False),
             {"generated_tokens": stats.generated_tokens, "seconds": stats.seconds, "turns": stats.turns,
              "conversations": stats.conversations, "row_use": stats.row_use()})
+
+
+def _answers_other_prompts(answers: Path, prompts: Path, count: int) -> bool:
+    """Whether `answers` holds an answer to a prompt of `prompts` other than the one its id names there, or to one
+    past the first `count` (those the run uses): e.g. answers to a prompt file written before with other settings,
+    whose ids (`self_<n>_0`) would pass for answers to the new prompts. An id the file does not hold (yet: a resumed
+    file's last batch is sampled again, the same) says nothing."""
+    if not answers.is_file():
+        return False
+    asked = {f"{r['id']}_0": (n < count, r["messages"][0]) for n, r in enumerate(read_self_prompts(prompts))}
+    with open(answers, encoding="utf-8") as f:
+        for line in f:
+            with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError, KeyError, IndexError):
+                record = json.loads(line)
+                if record["id"] in asked and asked[record["id"]] != (True, record["messages"][0]):
+                    return True
+    return False
 
 
 def _has_training_side(path: Path, seed: int, fraction: float) -> bool:
