@@ -262,3 +262,33 @@ def test_mask_token_text_is_exported_when_the_tokenizer_has_it(tiny_llama, tmp_p
     # Without a tokenizer there is no text to write: the field is left out.
     out = save_drafter(build_drafter(cfg.model, target_config_info(tiny_llama)), tmp_path / "none")
     assert "mask_token" not in json.loads((out / "config.json").read_text())["dflash_config"]
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 16},
+])
+def test_a_drafter_config_with_rope_scaling_is_refused_or_run_as_the_reference_runs_it(tiny_llama, tmp_path,
+                                                                                       rope_scaling):
+    """A drafter directory whose config.json scales RoPE (a released drafter for a Llama 3.1 or YaRN target: the
+    reference's Qwen3RotaryEmbedding applies the scaling) must not be read as plain RoPE: loading it either computes
+    what the reference does or is refused, naming the setting."""
+    dflash = pytest.importorskip("dflash.model")
+    out = save_drafter(make_drafter(tiny_llama), tmp_path / "d", dtype=torch.float32)
+    conf = json.loads((out / "config.json").read_text())
+    conf["rope_scaling"] = rope_scaling
+    (out / "config.json").write_text(json.dumps(conf))
+    ref = dflash.DFlashDraftModel.from_pretrained(str(out), dtype=torch.float32)
+    S, N, H = 40, B, 64
+    feats, x, pos = torch.randn(1, S, 2 * H), torch.randn(1, N, H), torch.arange(S + N)[None]
+    with torch.no_grad():
+        want = ref(position_ids=pos, noise_embedding=x, target_hidden=feats)[0]
+    try:
+        ours = load_drafter(out).float()
+    except CheckpointError as e:
+        assert "rope" in str(e)
+        return
+    with torch.no_grad():
+        got = ours(x[0], pos[0, S:], feats[0], pos[0, :S], sdpa_attend(torch.ones(N, S + N, dtype=torch.bool)))
+    torch.testing.assert_close(got, want)

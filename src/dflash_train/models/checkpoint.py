@@ -131,8 +131,22 @@ def check_full_attention(d: dict, source: str = "config.json") -> None:
             "do not support; serve such a drafter with SGLang or vLLM, or train one of full_attention layers here.")
 
 
+def check_plain_rope(d: dict, source: str = "config.json") -> None:
+    """Refuse a drafter config whose RoPE the reference scales (rope_scaling / rope_parameters of a rope_type other
+    than default: llama3, yarn, linear, ...): dflash-train's drafters rotate by rope_theta alone, so such a drafter
+    would be trained or evaluated as something it is not."""
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = d.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if kind not in (None, "default"):
+            raise CheckpointError(
+                f"{source} scales RoPE ({key} {rope}), which dflash-train's drafters do not support (they rotate by "
+                "rope_theta alone); serve such a drafter with SGLang or vLLM, or train one without rope scaling here.")
+
+
 def drafter_config_from_json(d: dict, source: str = "config.json") -> DrafterConfig:
     check_full_attention(d, source)
+    check_plain_rope(d, source)
     try:
         dc = d["dflash_config"]
         v2 = "DFlash2DraftModel" in d.get("architectures", [])
