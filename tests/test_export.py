@@ -264,6 +264,26 @@ def test_mask_token_text_is_exported_when_the_tokenizer_has_it(tiny_llama, tmp_p
     assert "mask_token" not in json.loads((out / "config.json").read_text())["dflash_config"]
 
 
+@pytest.mark.parametrize("where", ["dflash_config", "top"])
+@pytest.mark.parametrize("key, value", [("input_embedding_scale", 8.0), ("output_multiplier", 0.5),
+                                        ("final_logit_softcapping", 30.0)])
+def test_a_drafter_config_the_reference_scales_is_refused(tiny_llama, tmp_path, key, value, where):
+    """The reference scales a drafter's input embeddings and logits by these settings (read from dflash_config,
+    else the top level); dflash-train applies none, so a foreign drafter that sets them is refused by name. Our own
+    exports, and the neutral values, load."""
+    out = save_drafter(make_drafter(tiny_llama), tmp_path / "d", dtype=torch.float32)
+    load_drafter(out)
+    conf = json.loads((out / "config.json").read_text())
+    neutral = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}[key]
+    (conf["dflash_config"] if where == "dflash_config" else conf)[key] = neutral
+    (out / "config.json").write_text(json.dumps(conf))
+    load_drafter(out)
+    (conf["dflash_config"] if where == "dflash_config" else conf)[key] = value
+    (out / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(CheckpointError, match=f"sets {key}={value}, which dflash-train's drafters do not apply"):
+        load_drafter(out)
+
+
 @pytest.mark.parametrize("rope_scaling", [
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 16},

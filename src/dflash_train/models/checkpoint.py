@@ -144,9 +144,26 @@ def check_plain_rope(d: dict, source: str = "config.json") -> None:
                 "rope_theta alone); serve such a drafter with SGLang or vLLM, or train one without rope scaling here.")
 
 
+# What the reference scales a drafter's input embeddings and logits by (a Gemma-like target's settings), read from
+# dflash_config or the top level, and the value that leaves them as dflash-train computes them.
+_REFERENCE_SCALES = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}
+
+
+def check_unscaled(d: dict, source: str = "config.json") -> None:
+    """Refuse a drafter config that asks the reference to scale its input embeddings or logits (_REFERENCE_SCALES):
+    dflash-train neither trains nor decodes with those, so such a drafter would be evaluated as something it is not."""
+    inner = d.get("dflash_config") if isinstance(d.get("dflash_config"), dict) else {}
+    for key, neutral in _REFERENCE_SCALES.items():
+        value = inner.get(key, d.get(key, neutral))
+        if value != neutral and not (neutral is None and value == 0):
+            raise CheckpointError(f"{source} sets {key}={value}, which dflash-train's drafters do not apply; serve "
+                                  "such a drafter with the reference dflash package, SGLang or vLLM.")
+
+
 def drafter_config_from_json(d: dict, source: str = "config.json") -> DrafterConfig:
     check_full_attention(d, source)
     check_plain_rope(d, source)
+    check_unscaled(d, source)
     try:
         dc = d["dflash_config"]
         v2 = "DFlash2DraftModel" in d.get("architectures", [])
