@@ -459,6 +459,21 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(writer, tiny_llama
     assert latest_step(run) == 2
 
 
+def test_a_failed_checkpoint_write_is_logged_when_another_failure_stops_the_run(tiny_llama, tmp_path, monkeypatch):
+    """The periodic write of step 4 fails on the background writer (a full disk) and drafter1 fails at step 6, before
+    drafter0 waits for that write again: the run reports drafter1's failure, and the write's error, which only the
+    coordinator's final wait sees, is in the log too (docs/RELIABILITY.md: never lost)."""
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(torch, "save", full_disk)
+    run = tmp_path / "run"
+    err, _ = run_faulty(monkeypatch, matrix_cfg(tiny_llama, run), "drafter1:step=5:raise")
+    assert str(err).startswith("drafter1 failed:\nTraceback"), err
+    log = (run / "run.log").read_text()
+    assert "The disk is full: checkpoint step_00000004 could not be written" in log, log[-3000:]
+    assert latest_step(run) is None
+
+
 def test_out_dir_of_a_different_run_is_one_error_line(tiny_llama, tmp_path, capsys):
     run = tmp_path / "run"
     assert _train_cli(capsys, run, f"model.target={tiny_llama}", "train.max_steps=2")[0] == 0

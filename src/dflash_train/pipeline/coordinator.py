@@ -331,6 +331,9 @@ class _Pipeline:
             self._coordinator_failed(e)
 
     def _coordinator_failed(self, e: Exception) -> None:
+        if self.control.failure is not None:  # another failure is the run's; this one (e.g. a checkpoint write's
+            # error that only the final wait sees) goes to the log instead of being dropped
+            log.error(f"coordinator: also failed: {type(e).__name__}: {e}")
         self.control.fail("coordinator", describe_failure("coordinator", e, self.phase), e)
 
     def _inject(self, phase: str, n: int | None = None) -> None:
