@@ -487,3 +487,14 @@ def test_the_pairing_compares_the_walk_and_decoding_up_to_where_their_texts_part
     assert ("validation vs measured on the same 3 held-out conversations: walk 2.50, decoded 2.67 (difference "
             "+0.17 ± 0.17); up to where the texts part (2 of 3 part): walk 2.17, decoded 2.50, the same blocks in 2 "
             "of 3") in d.table()
+
+
+@pytest.mark.parametrize("name", ["demo #2", "2026-12-08", "yes", "a: b"])
+def test_the_demo_out_dir_is_taken_as_written(name, tmp_path):
+    """--out goes into the config as run.out_dir: read as YAML, `runs/demo #2` became runs/demo (a comment; that run
+    then moved aside), a date or `null` was refused as not a string naming run.out_dir, which the user never set."""
+    from dflash_train.demo import build_demo_config
+
+    out = str(tmp_path / name) if " " in name else name  # relative: nothing is created for it here
+    cfg = build_demo_config(torch.device("cpu"), None, out, [f"model.target={tmp_path}"])
+    assert cfg.run.out_dir == out

@@ -499,3 +499,90 @@ def test_config_errors_are_user_errors():
     with pytest.raises(ConfigError):
         load_config("tiny_cpu", ["train.log_every=0"])
     assert issubclass(ConfigError, UserError)
+
+
+# ------------------------------------------------------------------------- 7: config text read as written
+
+@pytest.mark.parametrize("section_text", ["train: 5\n", "train: lr=3e-4\n", "train:\n  - lr: 1.0e-3\n"])
+def test_a_config_section_that_is_not_a_mapping_is_one_line_with_an_override_too(section_text, tmp_path, capsys,
+                                                                                   no_training):
+    # Without an override the section was refused by name; with one into the same section it was a TypeError
+    # traceback ('int' object does not support item assignment).
+    p = tmp_path / "run.yaml"
+    p.write_text(section_text)
+    rc, lines = run_cli(["train", "--config", str(p), "train.max_steps=3"], capsys)
+    assert_one_error(rc, lines, "'train'", "mapping")
+
+
+@pytest.mark.parametrize("key", ["train.max_minutes", "data.regenerate_minutes", "train.max_steps"])
+def test_a_time_written_as_minutes_colon_seconds_is_not_read_as_base_60(key, tmp_path, capsys, no_training):
+    # YAML 1.1 reads 1:30 as the base-60 integer 90: train.max_minutes=1:30 (one and a half minutes, as the demo's
+    # table writes times) silently trained for 90 minutes. It is refused, in an override and in a file alike.
+    rc, lines = run_cli(["train", "--config", "tiny_cpu", f"{key}=1:30"], capsys)
+    assert_one_error(rc, lines, key, "1:30")
+    section, name = key.split(".")
+    p = tmp_path / "run.yaml"
+    p.write_text(f"{section}:\n  {name}: 1:30\n")
+    rc, lines = run_cli(["train", "--config", str(p)], capsys)
+    assert_one_error(rc, lines, key, "1:30")
+    # A string key keeps what was written (was '90'); plain numbers and device names read as before.
+    assert load_config("tiny_cpu", ["run.out_dir=runs/12:30"]).run.out_dir == "runs/12:30"
+    assert load_config("tiny_cpu", ["run.out_dir=12:30"]).run.out_dir == "12:30"
+    cfg = load_config("tiny_cpu", ["train.max_minutes=1.5", "train.max_steps=90", "pipeline.target_devices=[cpu:0]"])
+    assert (cfg.train.max_minutes, cfg.train.max_steps, cfg.pipeline.target_devices) == (1.5, 90, ["cpu:0"])
+
+
+def test_doctor_refuses_an_unknown_compile_mode_as_a_usage_error(capsys):
+    # Was: a FAIL of the compiled step whose fix said to train eager and report the traceback as a bug.
+    with pytest.raises(SystemExit) as e:
+        cli.main(["doctor", "--compile", "bogus", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'bogus'" in err and "reduce-overhead" in err
+    assert "Traceback" not in err
+
+
+def test_demo_prompts_naming_a_bundled_set_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    # `eval --prompts yardstick` names the bundled set; `demo --prompts yardstick` measured it a second time over the
+    # first (every prompt, plain decoding on each: past the GPU demo's evaluation allowance). Refused at once.
+    import dflash_train.pipeline.coordinator as coordinator
+
+    def reached(*_a, **_k):
+        raise AssertionError("the demo started training")
+
+    monkeypatch.setattr(coordinator, "train_pipeline", reached)
+    monkeypatch.chdir(tmp_path)
+    rc, lines = run_cli(["demo", "--device", "cpu", "--prompts", "yardstick", "--out", str(tmp_path / "demo")],
+                        capsys)
+    assert_one_error(rc, lines, "--prompts", "yardstick")
+
+
+@pytest.mark.parametrize("override, key", [("pipeline.drafter_devices=cpu,cpu", "pipeline.drafter_devices"),
+                                           ("data.mix=sharegpt:3,chats.jsonl:1", "data.mix"),
+                                           ("train.betas=0.9,0.95", "train.betas")])
+def test_a_list_written_with_commas_but_no_brackets_names_the_brackets(override, key, tmp_path, monkeypatch, capsys,
+                                                                       no_training):
+    # `regenerate --device cuda:0,cuda:1` takes commas; a list key read `cpu,cpu` as one device named 'cpu,cpu', and
+    # data.mix as one file 'sharegpt:3,chats.jsonl' with a fix about data.source.
+    monkeypatch.chdir(tmp_path)
+    Path("chats.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "content": "hello"}]}) + "\n")
+    rc, lines = run_cli(["train", "pipeline.target_devices=[cpu]", override], capsys)
+    value = override.split("=", 1)[1]
+    assert_one_error(rc, lines, key, f"{key}=[{value}]")
+
+
+@pytest.mark.parametrize("text, key", [
+    ("train:\n  max_steps: 7\nrun:\n  plots: false\ntrain:\n  lr: 1.0e-3\n", "train"),
+    ("train:\n  max_steps: 7\n  max_steps: 9\n", "max_steps"),
+])
+def test_a_key_written_twice_in_a_config_file_is_refused_not_dropped(text, key, tmp_path, capsys, no_training):
+    # YAML keeps the last of two equal keys: a second `train:` block silently dropped the whole first one
+    # (train.max_steps=7 here). Merge keys (<<) still override as YAML means them to.
+    p = tmp_path / "run.yaml"
+    p.write_text(text)
+    rc, lines = run_cli(["train", "--config", str(p)], capsys)
+    assert_one_error(rc, lines, repr(key), "twice")
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("train:\n  <<: {max_steps: 7, lr: 1.0e-3}\n  max_steps: 9\n")
+    cfg = load_config(merged)
+    assert (cfg.train.max_steps, cfg.train.lr) == (9, 1e-3)

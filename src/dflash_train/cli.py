@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     doc = sub.add_parser("doctor", help="check versions, devices and a compiled step in a worker thread")
-    doc.add_argument("--compile", default="auto", help="compile mode to check (auto | eager | default | reduce-overhead)")
+    doc.add_argument("--compile", default="auto", choices=["auto", "eager", "default", "reduce-overhead"],
+                     help="compile mode to check (auto | eager | default | reduce-overhead)")
     doc.add_argument("--device", default="auto", help="device of the compiled step (auto = cuda:0 if present)")
     doc.set_defaults(fn=cmd_doctor)
     return p

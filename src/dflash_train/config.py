@@ -23,6 +23,29 @@ class ConfigError(UserError):
     """A configuration the user wrote is invalid; the message names the key and the fix."""
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 without its base-60 numbers: `1:30` stays the text it is (a number key then refuses it by name)
+    instead of becoming 90, e.g. train.max_minutes=1:30 meant as a minute and a half. A key written twice in one
+    mapping is refused (YAML would keep the last: a second `train:` block dropped the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [k.value for k, _ in node.value if isinstance(k, yaml.ScalarNode) and not k.tag.endswith(":merge")]
+        if twice := [k for i, k in enumerate(keys) if k in keys[:i]]:
+            raise ConfigError(f"{twice[0]!r} is written twice in one mapping (line {node.start_mark.line + 1}); "
+                              "YAML would keep only the last: write it once.")
+        return super().construct_mapping(node, deep)
+
+
+def _no_base60(construct):
+    def constructor(loader, node):
+        return loader.construct_scalar(node) if ":" in str(node.value) else construct(loader, node)
+    return constructor
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _no_base60(yaml.SafeLoader.construct_yaml_int))
+_Loader.add_constructor("tag:yaml.org,2002:float", _no_base60(yaml.SafeLoader.construct_yaml_float))
+
+
 def _require(ok: bool, key: str, value: Any, want: str) -> None:
     """One range check: `ok` is written in positive form (`x > 0`), so a NaN fails it too; `want` completes
     "<key> must be ..." (e.g. "at least 1", "in [0, 1)")."""
@@ -588,6 +611,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
+            if isinstance(value, str) and "," in value:  # `a,b` is one YAML string; a list is [a, b]
+                raise ConfigError(f"{key} is a list: write it in brackets, {key}=[{value}] (got {value!r}).")
             value = [value]
         return [_coerce(v, item_tp, key) for v in value]
     if tp is bool:
@@ -658,7 +683,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"Override key {key!r} must look like section.key, e.g. train.lr.")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         fix = ("close its brackets (a list is [a, b], a mapping {k: v})" if raw.strip()[:1] in "[{"
@@ -673,7 +698,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if path is not None:
         p = resolve_recipe(path)
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8-sig")) or {}
+            data = yaml.load(p.read_text(encoding="utf-8-sig"), Loader=_Loader) or {}
         except UnicodeDecodeError as e:  # read whole, so e.start is the byte offset in the file
             raise ConfigError(f"Config file {p} is not UTF-8 text ({e.reason} at byte {e.start}); re-encode it as "
                               "UTF-8.") from None
@@ -686,6 +711,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         data.setdefault(section, {})
         if data[section] is None:
             data[section] = {}
+        if not isinstance(data[section], dict):  # refused by name here, as build_config would without the override
+            raise ConfigError(f"Config section {section!r} must be a mapping of keys to values.")
         data[section][key] = value
     return build_config(data)
 

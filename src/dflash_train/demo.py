@@ -173,7 +173,8 @@ def local_embedded_target(cache_root: Path, gguf: str | None = None) -> Path:
 
 
 def build_demo_config(device: torch.device, minutes: float | None, out: str, overrides: list[str]) -> Config:
-    ov = [f"pipeline.target_devices=[{device}]", f"pipeline.drafter_devices=[{device}]", f"run.out_dir={out}",
+    ov = [f"pipeline.target_devices=[{device}]", f"pipeline.drafter_devices=[{device}]",
+          f"run.out_dir={json.dumps(str(out), ensure_ascii=False)}",  # quoted: `#`, `: `, a date are path text
           "run.overwrite=true"]  # a demo re-run trains afresh (the previous run is moved aside, not deleted)
     if device.type == "cuda":
         ov += GPU_OVERRIDES
@@ -188,7 +189,8 @@ def build_demo_config(device: torch.device, minutes: float | None, out: str, ove
         # A GGUF load dequantizes every tensor and rebuilds the tokenizer, and a demo loads the target many times
         cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else Path(out).parent / ".cache"
         make_dir(cache, "the demo's cache directory", "data.cache_dir" if cfg.data.cache_dir else "--out")
-        cfg = load_config(RECIPE, ov + list(overrides) + [f"model.target={local_embedded_target(cache, gguf)}"])
+        target = json.dumps(str(local_embedded_target(cache, gguf)), ensure_ascii=False)
+        cfg = load_config(RECIPE, ov + list(overrides) + [f"model.target={target}"])
     return cfg
 
 
@@ -221,6 +223,9 @@ def run_demo(device: str = "auto", minutes: float | None = None, out: str = "run
     from .training.warmup import CompileWarmup, wants_warmup
 
     t_start, started = time.perf_counter(), time.monotonic()
+    if prompts in SET_NAMES:  # eval's name for a bundled set: the demo measures it already (EVAL_PLAN)
+        raise UserError(f"--prompts {prompts}: the demo measures the {SET_NAMES[prompts]} prompts already; --prompts "
+                        "adds a .json/.jsonl prompt file of your own next to them, or leave it out.")
     dev = parse_device(device, "--device")
     cfg = build_demo_config(dev, minutes, out, list(overrides))
     if prompts is not None:  # checked now, not after the training
