@@ -539,28 +539,17 @@ def test_loading_the_cache_leaves_the_collector_as_it_found_it(tmp_path, tok, en
 def test_a_tokenizer_replaced_at_the_same_path_is_not_served_from_the_cache(tmp_path):
     """A model directory whose tokenizer was replaced (same path, same vocabulary size, same chat template, other
     token ids: e.g. a corrected tokenizer.json) is tokenized afresh: a cache hit would train on the old ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
 
-    from tiny_chat import CHATML, SPECIALS
-
-    def byte_tokenizer(order):
-        alphabet = order(sorted(pre_tokenizers.ByteLevel.alphabet()))
-        backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        backend.decoder = decoders.ByteLevel()
-        fast = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                       pad_token="<|endoftext|>", additional_special_tokens=SPECIALS)
-        fast.chat_template = CHATML
-        return fast
+    from tiny_chat import make_byte_tokenizer
 
     target = tmp_path / "target"
     path = write_jsonl(tmp_path / "d.jsonl", many_chats(20))
     cfg = DataConfig(source=str(path), heldout_fraction=0.0)
     cache = str(tmp_path / "cache")
-    byte_tokenizer(list).save_pretrained(target)
+    make_byte_tokenizer().save_pretrained(target)
     old = load_chat_dataset(cfg, AutoTokenizer.from_pretrained(target), cache_dir=cache)
-    byte_tokenizer(lambda chars: chars[::-1]).save_pretrained(target)  # the same files, the ids reversed
+    make_byte_tokenizer(reverse=True).save_pretrained(target)  # the same files, the ids reversed
     new_tok = AutoTokenizer.from_pretrained(target)
     new = load_chat_dataset(cfg, new_tok, cache_dir=cache)
     fresh = load_chat_dataset(cfg, new_tok, cache_dir=None)

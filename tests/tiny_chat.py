@@ -17,12 +17,14 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 320  # 256 bytes + 3 specials, padded: the rows past the tokenizer are free for the mask token
 
 
-def make_byte_tokenizer():
+def make_byte_tokenizer(reverse: bool = False):
+    """A byte-level ChatML tokenizer; reverse=True numbers the same bytes the other way round (other ids, the same
+    size and template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), reverse=reverse)
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
