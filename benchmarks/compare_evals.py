@@ -46,7 +46,8 @@ def per_prompt(path: str, field: str = "tau") -> dict:
     counts = Counter(k for k, _ in pairs)
     if field == "tau" and (dup := sorted(k for k, n in counts.items() if n > 1)):
         print(f"{path}: {len(dup)} id(s) held by several prompts, left out: {', '.join(dup[:5])}")
-    return {k: v for k, v in pairs if counts[k] == 1}
+    # a prompt with no verification step (its first token a stop token) has tau null: nothing to compare
+    return {k: v for k, v in pairs if counts[k] == 1 and v is not None}
 
 
 def texts_part(replies_path: str, report_path: str) -> None:

@@ -7,7 +7,8 @@
    original only marks where a reply is due, and dropping it makes the file small enough to carry);
    eval_prompts.jsonl: the first user turn of the last M conversations (by ShareGPT key, so no part of a held-out
    chat is trained on).
-Each file is gzipped next to itself (the GPU machine takes at most 64 MiB per call).
+Each file is written gzipped alone (the GPU machine takes at most 64 MiB per call, the tree, the GGUF half and
+the whole carried .gpu/data folder together).
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def main() -> None:
         target.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         with open(target, "rb") as src, gzip.open(f"{target}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
-        print(f"{target}: {len(rows)} records, {target.stat().st_size / 2**20:.1f} MiB "
+        size = target.stat().st_size
+        target.unlink()  # only the .gz: `carry .gpu/data` takes the whole folder, and 27 MB more breaks stage's 64 MiB
+        print(f"{target}.gz: {len(rows)} records, {size / 2**20:.1f} MiB "
               f"({Path(f'{target}.gz').stat().st_size / 2**20:.1f} MiB gzipped)")
     print(f"{replies} replies due in train_chats.jsonl; reader counts: {dict(counts)}")
 

@@ -41,7 +41,8 @@
 #            next call at once: a machine idle for 30 s is given back, and the demo with it)
 #   finish   the demo's last poll and what follows, in one call so that no idle gap can lose the machine: wait for
 #            the demo to end (at most POLL_S), collect, then `bench` with what is left of FINISH_S (default 560;
-#            BENCH picks the benchmark: BENCH=generate for the regeneration row of record, ~120 s on an H100)
+#            BENCH picks the benchmark: BENCH=generate for the regeneration row of record, ~120 s on an H100; no
+#            bench while the demo still runs: then poll or finish again at once)
 #   vpoll / vcollect   the same for the variants (variants.txt, the regenerated data gzipped, and variants_files.tgz:
 #            logs, metrics_<variant>.jsonl, bench JSON)
 #   eval_batched  no staging (carry .gpu/tok): the evaluator's untimed prompts one at a time and together on a
@@ -76,9 +77,10 @@ open(sys.argv[1] + ".pid", "w").write(str(p.pid))' "$@"
 # before the next call in which the machine may be given back (30 s idle), the job with it.
 wait_for() {
   local end=$(( SECONDS + $2 ))
-  while (( SECONDS < end )) && kill -0 "$(cat "$1.pid" 2>/dev/null)" 2>/dev/null; do sleep 5; done
-  kill -0 "$(cat "$1.pid" 2>/dev/null)" 2>/dev/null && echo "(still running after $2 s)" || echo "(ended)"
+  while (( SECONDS < end )) && running "$1"; do sleep 5; done
+  running "$1" && echo "(still running after $2 s)" || echo "(ended)"
 }
+running() { kill -0 "$(cat "$1.pid" 2>/dev/null)" 2>/dev/null; }  # running LOG: the job detached with LOG runs
 
 stage() {
   banner "staging"
@@ -256,6 +258,8 @@ variants() {
 
 start() {
   banner "start the demo"
+  # A start repeated after a call that seemed to fail: a second demo (and join replacing $S/src under the first)
+  if running $S/demo.log; then echo "a demo already runs (pid $(cat $S/demo.log.pid)): poll it instead"; return; fi
   join
   # TOKENIZERS_PARALLELISM unset, as a user runs it: the demo tokenizes ~76k conversations in parallel.
   detach $S/demo.log env -u TOKENIZERS_PARALLELISM PYTHONPATH=/tmp/site:$S/src PYTHONUNBUFFERED=1 \
@@ -304,7 +308,9 @@ finish() {
   poll
   collect
   local left=$(( ${FINISH_S:-560} - (SECONDS - t0) - 90 ))  # 90 s: the bench's own start and timeout margin
-  if (( left > 120 )); then BENCH_S=$left bench; else echo "no time left for a bench ($left s)"; fi
+  # Not beside a demo that still runs (after POLL_S): the bench would time against the demo's evaluation and slow it
+  if running $S/demo.log; then echo "the demo still runs: no bench; poll or finish again at once"
+  elif (( left > 120 )); then BENCH_S=$left bench; else echo "no time left for a bench ($left s)"; fi
 }
 
 # No staging needed (carry .gpu/tok: SmolLM2's config and tokenizer): `evaluate` on a random model of SmolLM2's shape
@@ -327,6 +333,10 @@ eval_rows() {
   local d
   d=$(grep -o "servable drafter in [^ ]*" $S/demo.log 2>/dev/null | tail -1 | cut -d' ' -f4)
   if [[ -z $d ]]; then echo "no servable drafter named in $S/demo.log: the demo has not finished its training"; return; fi
+  # The line comes before the demo's own evaluation (~90 s): wait for it rather than time both against each other
+  if running $S/demo.log && [[ $(wait_for $S/demo.log 150) != "(ended)" ]]; then
+    echo "the demo still evaluates after 150 s more: run eval_rows again"; return
+  fi
   banner "the demo's drafter ($d) on the yardstick: untimed prompts one at a time and together"
   timeout 400 python3 benchmarks/eval_batched.py 80 256 "${EVAL_ROWS:-32}" --device cuda --target $GGUF \
       --drafter "$d" --dtype bf16 --timed 16 --repeats 1 2>&1 | grep -v -E "it/s\]|s/it\]|Warning|warn"
