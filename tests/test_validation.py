@@ -457,3 +457,15 @@ def test_decoding_walk_counts_each_block_as_the_evaluator_does(accept_at):
     (walk,) = decoding_walks(mask, torch.zeros(T, dtype=torch.long), torch.tensor(accept[:T]))
     assert walk.steps == gen.accept_lengths
     assert walk.tau == pytest.approx(gen.tau)
+
+
+def test_a_measured_prompt_with_no_verification_step_is_left_out_of_the_pairing():
+    """A prompt whose first generated token is a stop token has no verification step and tau null in the eval
+    report; the demo's pairing with validation's walk leaves it out instead of failing on None - float."""
+    from dflash_train.training.validation import paired_with_measured
+
+    replies = [{"key": "a", "tau": 3.0}, {"key": "b", "tau": 2.0}, {"key": "c", "tau": 4.0}]
+    prompts = [{"id": "a", "tau": 3.5}, {"id": "b", "tau": None}, {"id": "c", "tau": 4.5}]
+    paired = paired_with_measured(replies, prompts)
+    assert paired["pairs"] == 2 and paired["difference"] == pytest.approx(0.5)
+    assert paired_with_measured(replies[1:2], prompts[1:2]) is None

@@ -251,7 +251,7 @@ def paired_with_measured(replies: list[dict], prompts: list[dict]) -> dict | Non
         return {k: v for k, v in items if k is not None and counts[k] == 1}
 
     walk = unique([(r.get("key"), r) for r in replies])
-    measured = unique([(p.get("id"), p) for p in prompts])
+    measured = unique([(p.get("id"), p) for p in prompts if p.get("tau") is not None])  # None: no step (a stop at once)
     keys = [k for k in measured if k in walk]
     if not keys:
         return None
