@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from .beside import exit_with_parent
+
+    exit_with_parent()  # `python -m dflash_train.cli` as the compile warm-up's child: gone with its run (beside.py)
     if "TORCHELASTIC_ERROR_FILE" in os.environ:  # under torchrun: its failure summary then shows each rank's error
         from torch.distributed.elastic.multiprocessing.errors import record
         sys.exit(record(main)())

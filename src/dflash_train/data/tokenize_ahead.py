@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..beside import start_beside
+from ..beside import exit_with_parent, start_beside
 from .conversations import tokenize_into_cache, usable_cores
 
 log = logging.getLogger("dflash_train")
@@ -191,4 +191,5 @@ def _child(scratch: Path) -> None:
 
 
 if __name__ == "__main__":
+    exit_with_parent()  # a run killed outright leaves no child tokenizing (beside.py)
     _child(Path(sys.argv[1]))

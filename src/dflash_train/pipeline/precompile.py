@@ -156,4 +156,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from ..beside import exit_with_parent
+
+    exit_with_parent()  # a run killed outright leaves no child compiling (beside.py)
     sys.exit(main(sys.argv[1:]))
