@@ -7,7 +7,7 @@ code depends only on the shapes and settings, not on the data, so a child proces
 few of the source's own conversations while regeneration runs, and leave its kernels in the compile cache
 (training/startup.py) that the run then reads:
 
-  start_compile_warmup(cfg, scratch, log_path) -> CompileWarmup
+  with CompileWarmup(cfg, scratch, log_path) as warmup:   (demo.py; pipeline/precompile.py for its own parts)
     child: `dflash-train train` with the run's config, but 2 steps on data.max_samples=WARMUP_SAMPLES conversations
     of data.source as they are (no regeneration, no self-written prompts), into `scratch`, sharing the compile cache
   ... regenerate ...
