@@ -56,10 +56,11 @@ def answer_self_prompts(cfg, out_dir: Path, tokenizer, models, batch_size: int, 
         # the batch size changes what each batch draws: a resumed file keeps the one it was written with
         own.batch_size = json.loads(meta.read_text()).get("batch_size", batch_size)
     write_self_prompts(models[0], tokenizer, path, d.self_prompts, own, replace=cfg.run.overwrite, stop=stop)
-    records = read_self_prompts(path, d.self_prompts)
+    written = read_self_prompts(path)
+    records = written[:d.self_prompts]
     # The mix below reads the answers whole: answers to other prompts (the prompts written again with other settings,
     # or fewer of them asked for, under run.overwrite into a kept directory such as the demo's) must not stay in it.
-    if _answers_other_prompts(answers, path, d.self_prompts):
+    if _answers_other_prompts(answers, written, d.self_prompts):
         if not cfg.run.overwrite:
             raise UserError(f"{answers} holds answers to other prompts than the {len(records)} of {path} this run "
                             "uses; delete it, or pass run.overwrite=true to start over.")
@@ -166,14 +167,14 @@ def regenerate_for_run(cfg, out_dir: Path, tokenizer):
              "conversations": stats.conversations, "row_use": stats.row_use()})
 
 
-def _answers_other_prompts(answers: Path, prompts: Path, count: int) -> bool:
-    """Whether `answers` holds an answer to a prompt of `prompts` other than the one its id names there, or to one
-    past the first `count` (those the run uses): e.g. answers to a prompt file written before with other settings,
-    whose ids (`self_<n>_0`) would pass for answers to the new prompts. An id the file does not hold (yet: a resumed
-    file's last batch is sampled again, the same) says nothing."""
+def _answers_other_prompts(answers: Path, prompts: list[dict], count: int) -> bool:
+    """Whether `answers` holds an answer to one of `prompts` (the prompt file's records) other than the one its id
+    names there, or to one past the first `count` (those the run uses): e.g. answers to a prompt file written before
+    with other settings, whose ids (`self_<n>_0`) would pass for answers to the new prompts. An id the prompts do not
+    hold (yet: a resumed file's last batch is sampled again, the same) says nothing."""
     if not answers.is_file():
         return False
-    asked = {f"{r['id']}_0": (n < count, r["messages"][0]) for n, r in enumerate(read_self_prompts(prompts))}
+    asked = {f"{r['id']}_0": (n < count, r["messages"][0]) for n, r in enumerate(prompts)}
     with open(answers, encoding="utf-8") as f:
         for line in f:
             with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError, KeyError, IndexError):
